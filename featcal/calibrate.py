@@ -1,0 +1,399 @@
+"""Forward-order FeatCal: per block, gather moments of module inputs, solve in closed form, advance.
+
+The driver only gathers statistics and calls the pure solvers in `featcal.solve`. It holds one
+block's activations for the calibration set at a time (the student and expert streams entering
+the current block), never all layers'.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from . import solve
+from .families import Family, Stream, family_for, module_kind
+from .moments import LinearMoments, Moments, NormMoments
+
+log = logging.getLogger(__name__)
+
+HYPER_KEYS = ("alpha", "rho", "ridge")
+
+
+@dataclass(frozen=True)
+class LayerHyper:
+    """α (target interpolation), ρ (anchor blend) and λ (ridge) used for one block."""
+
+    alpha: float
+    rho: float
+    ridge: float
+
+
+@dataclass
+class FeatCalConfig:
+    """FeatCal's knobs; defaults are the spec's (../shared/spec/featcal.md)."""
+
+    alpha: float = 0.25
+    rho: float = 2.2
+    ridge: float = 0.05
+    pooled_token_weight: float = 0.01
+    calibrate_bias: bool = True
+    calibrate_norms: bool = True
+    calibrate_pooler: bool = False
+    layer_overrides: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.ridge < 0:
+            raise ValueError(f"featcal.ridge must be >= 0, got {self.ridge}")
+        if not 0.0 <= self.pooled_token_weight <= 1.0:
+            raise ValueError(f"featcal.pooled_token_weight must be in [0, 1], got {self.pooled_token_weight}")
+        overrides = {}
+        for layer, values in (self.layer_overrides or {}).items():
+            bad = set(values) - set(HYPER_KEYS)
+            if bad:
+                raise ValueError(f"featcal.layer_overrides[{layer}]: unknown keys {sorted(bad)}; allowed {HYPER_KEYS}")
+            overrides[int(layer)] = dict(values)
+        self.layer_overrides = overrides
+
+    @classmethod
+    def from_mapping(cls, values: Mapping) -> "FeatCalConfig":
+        known = set(cls.__dataclass_fields__)
+        bad = set(values) - known
+        if bad:
+            raise ValueError(f"featcal params: unknown keys {sorted(bad)}; known keys {sorted(known)}")
+        return cls(**dict(values))
+
+    def for_layer(self, index: int) -> LayerHyper:
+        values = {"alpha": self.alpha, "rho": self.rho, "ridge": self.ridge}
+        values.update(self.layer_overrides.get(index, {}))
+        return LayerHyper(**{k: float(v) for k, v in values.items()})
+
+
+# --- capturing module inputs ---------------------------------------------------------------------
+
+
+@torch.no_grad()
+def run_capturing(
+    family: Family, backbone: nn.Module, index: int, block: nn.Module, names: Iterable[str], stream: Stream
+) -> tuple[dict[str, Tensor], Stream]:
+    """Run one block on a stream, recording the input of each named module (forward pre-hooks)."""
+    captured: dict[str, Tensor] = {}
+    modules = dict(block.named_modules())
+    handles = []
+    for name in names:
+        def hook(_module, args, _name=name):
+            captured.setdefault(_name, args[0])
+
+        handles.append(modules[name].register_forward_pre_hook(hook))
+    try:
+        out = family.run_block(backbone, index, stream, block=block)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured, out
+
+
+def row_weights(stream: Stream, rows: Tensor, pooled_token_weight: float) -> Tensor:
+    """Weight 1 for the token the head reads, `pooled_token_weight` for the others."""
+    w = torch.full(rows.shape, pooled_token_weight, dtype=torch.float64)
+    w[torch.arange(rows.shape[0]), stream.pooled_index] = 1.0
+    return w
+
+
+def normalised(module: nn.Module, x: Tensor) -> Tensor:
+    """The norm's input with the affine part removed: what γ and β multiply and shift."""
+    x = x.to(torch.float64)
+    if module_kind(module) == "layernorm":
+        return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def accumulate_block_moments(
+    family: Family,
+    modules: Mapping[str, nn.Module],
+    student_inputs: Mapping[str, Tensor],
+    expert_inputs: Mapping[str, Tensor],
+    student_stream: Stream,
+    moments: dict[str, Moments],
+    weighted: bool,
+    pooled_token_weight: float,
+) -> None:
+    """Add one batch's rows to each module's moments (one task)."""
+    shared: dict[tuple, LinearMoments] = {}
+    for name, module in modules.items():
+        rows = family.row_mask(name, student_stream)
+        use_weights = weighted and student_stream.pooled_index is not None and not family.is_key_value(name)
+        w = row_weights(student_stream, rows, pooled_token_weight)[rows] if use_weights else None
+        xs = student_inputs[name][rows]
+        if module_kind(module) == "linear":
+            m = moments.setdefault(name, LinearMoments())
+            key = (student_inputs[name].data_ptr(), expert_inputs[name].data_ptr(), xs.shape, use_weights)
+            if key in shared:  # q/k/v read the same input: reuse the batch sums
+                m.merge(shared[key])
+                continue
+            batch = LinearMoments()
+            batch.add(xs, expert_inputs[name][rows], w)
+            shared[key] = batch
+            m.merge(batch)
+        else:
+            moments.setdefault(name, NormMoments()).add(normalised(module, xs), w)
+
+
+def accumulate_pooled_moments(
+    student: Stream, expert: Stream, moments: LinearMoments, family: Family, backbone: nn.Module
+) -> None:
+    """Rows for a pooler pseudo-layer: the pooled token of the last block's outputs."""
+    moments.add(family.head_features(backbone, student), family.head_features(backbone, expert))
+
+
+# --- solving ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModuleReport:
+    module: str
+    kind: str
+    condition: float | None = None
+    solver: str | None = None
+
+
+def solve_modules(
+    student: Mapping[str, nn.Module],
+    base: Mapping[str, nn.Module],
+    experts: Mapping[str, Mapping[str, nn.Module]],
+    moments: Mapping[str, Mapping[str, Moments]],
+    hyper: LayerHyper,
+    config: FeatCalConfig,
+    prefix: str = "",
+) -> tuple[dict[str, Tensor], list[ModuleReport]]:
+    """Closed-form updates for a set of modules, from their per-task moments.
+
+    `student` holds the *pre-calibration* merged modules (they define the anchor);
+    `moments[module][task]`. Returns {"<module>.<param>": float64 tensor} and a report per module.
+    """
+    updates: dict[str, Tensor] = {}
+    reports: list[ModuleReport] = []
+    for name, module in student.items():
+        kind = module_kind(module)
+        per_task = moments[name]
+        tasks = list(per_task)
+        if not tasks:
+            raise ValueError(f"module {prefix}{name}: no calibration rows for any task")
+        mods = [experts[t][name] for t in tasks]
+        stats = [per_task[t] for t in tasks]
+        if kind == "linear":
+            grams = [m.gram for m in stats]
+            omegas = solve.task_weights(grams)
+            w_anc = solve.anchor(module.weight, base[name].weight, hyper.rho)
+            weight, rep = solve.solve_linear_weight(
+                grams, [m.cross_mean for m in stats], [e.weight for e in mods], w_anc,
+                hyper.alpha, hyper.ridge, omegas, name=prefix + name,
+            )
+            updates[f"{name}.weight"] = weight
+            reports.append(ModuleReport(prefix + name, kind, rep.condition, rep.method))
+            if module.bias is not None and config.calibrate_bias:
+                updates[f"{name}.bias"] = solve.solve_bias(
+                    weight, [m.student_mean for m in stats], [m.target_mean(hyper.alpha) for m in stats],
+                    [e.weight for e in mods], [e.bias for e in mods],
+                    solve.anchor(module.bias, base[name].bias, hyper.rho), hyper.ridge, omegas,
+                )
+        elif not config.calibrate_norms:
+            continue
+        elif kind == "layernorm":
+            gamma, beta = solve.solve_layernorm(
+                [m.mean for m in stats], [m.mean_square for m in stats],
+                [e.weight for e in mods], [e.bias for e in mods],
+                solve.anchor(module.weight, base[name].weight, hyper.rho),
+                solve.anchor(module.bias, base[name].bias, hyper.rho), hyper.ridge,
+            )
+            updates[f"{name}.weight"], updates[f"{name}.bias"] = gamma, beta
+            reports.append(ModuleReport(prefix + name, kind))
+        elif kind == "rmsnorm":
+            updates[f"{name}.weight"] = solve.solve_rmsnorm(
+                [m.mean_square for m in stats], [e.weight for e in mods],
+                solve.anchor(module.weight, base[name].weight, hyper.rho), hyper.ridge,
+            )
+            reports.append(ModuleReport(prefix + name, kind))
+    return updates, reports
+
+
+@torch.no_grad()
+def apply_updates(module: nn.Module, updates: Mapping[str, Tensor]) -> None:
+    """Write float64 solutions into a module's parameters (cast to each parameter's dtype)."""
+    params = dict(module.named_parameters())
+    for name, value in updates.items():
+        params[name].copy_(value.to(params[name].dtype))
+
+
+# --- one block, and the whole forward-order walk ------------------------------------------------------
+
+
+@dataclass
+class LayerDrift:
+    """Distance of the calibrated student's block output to the experts' (mean over tasks' tokens)."""
+
+    layer: int
+    l2: float
+    cosine: float
+
+
+def stream_drift(student: Sequence[Stream], expert: Sequence[Stream]) -> tuple[Tensor, Tensor, Tensor]:
+    """Sums of L2 distance, cosine and the token count between matching streams' real tokens."""
+    l2 = cos = count = torch.zeros((), dtype=torch.float64)
+    for s, e in zip(student, expert):
+        hs, he = s.hidden[s.mask].double(), e.hidden[s.mask].double()
+        l2 = l2 + (hs - he).norm(dim=-1).sum()
+        cos = cos + F.cosine_similarity(hs, he, dim=-1).sum()
+        count = count + hs.shape[0]
+    return l2, cos, count
+
+
+@dataclass
+class BlockResult:
+    updates: dict[str, Tensor]
+    reports: list[ModuleReport]
+    moments: dict[str, dict[str, Moments]]
+    student_next: dict[str, list[Stream]]
+    expert_next: dict[str, list[Stream]]
+    drift: LayerDrift
+
+
+def calibrate_block(
+    family: Family,
+    index: int,
+    student_backbone: nn.Module,
+    base_backbone: nn.Module,
+    expert_backbones: Mapping[str, nn.Module],
+    student_streams: Mapping[str, Sequence[Stream]],
+    expert_streams: Mapping[str, Sequence[Stream]],
+    config: FeatCalConfig,
+    last: bool,
+) -> BlockResult:
+    """Calibrate block `index` of the student backbone in place, and advance both streams."""
+    block = family.blocks(student_backbone)[index]
+    base_block = family.blocks(base_backbone)[index]
+    modules = family.calibrated_modules(block)
+    expert_blocks = {t: family.blocks(b)[index] for t, b in expert_backbones.items()}
+    moments: dict[str, dict[str, Moments]] = {name: {} for name in modules}
+    expert_next: dict[str, list[Stream]] = {}
+    for task, streams in student_streams.items():
+        if task not in expert_blocks:
+            raise KeyError(f"calibration data for task {task!r} but no expert for it")
+        per_task: dict[str, Moments] = {}
+        expert_next[task] = []
+        for s, e in zip(streams, expert_streams[task], strict=True):
+            xs, _ = run_capturing(family, student_backbone, index, block, modules, s)
+            xe, e_out = run_capturing(family, expert_backbones[task], index, expert_blocks[task], modules, e)
+            accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight)
+            expert_next[task].append(e_out)
+        for name in modules:
+            moments[name][task] = per_task[name]
+    expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
+    updates, reports = solve_modules(
+        modules, family.calibrated_modules(base_block), expert_modules, moments,
+        config.for_layer(index), config, prefix=f"block {index}: ",
+    )
+    apply_updates(block, updates)
+    student_next = {
+        t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()
+    }
+    l2 = cos = count = torch.zeros((), dtype=torch.float64)
+    for t in student_next:
+        a, b, c = stream_drift(student_next[t], expert_next[t])
+        l2, cos, count = l2 + a, cos + b, count + c
+    drift = LayerDrift(index, float(l2 / count), float(cos / count))
+    return BlockResult(updates, reports, moments, student_next, expert_next, drift)
+
+
+def calibrate_pooler(
+    family: Family,
+    student_backbone: nn.Module,
+    base_backbone: nn.Module,
+    expert_backbones: Mapping[str, nn.Module],
+    student_streams: Mapping[str, Sequence[Stream]],
+    expert_streams: Mapping[str, Sequence[Stream]],
+    config: FeatCalConfig,
+) -> list[ModuleReport]:
+    """The pooler dense as a last pseudo-layer: its input is the pooled token of the last block."""
+    pooler = family.pooler(student_backbone)
+    if pooler is None:
+        return []
+    moments: dict[str, Moments] = {}
+    for task, streams in student_streams.items():
+        moments[task] = LinearMoments()
+        for s, e in zip(streams, expert_streams[task], strict=True):
+            accumulate_pooled_moments(s, e, moments[task], family, student_backbone)
+    name = "dense"
+    updates, reports = solve_modules(
+        {name: pooler}, {name: family.pooler(base_backbone)},
+        {t: {name: family.pooler(b)} for t, b in expert_backbones.items()}, {name: moments},
+        config.for_layer(len(family.blocks(student_backbone))), config, prefix="pooler: ",
+    )
+    apply_updates(pooler, {k.removeprefix(f"{name}."): v for k, v in updates.items()})
+    return reports
+
+
+@dataclass
+class CalibrationResult:
+    backbone: nn.Module
+    drift: list[LayerDrift]
+    reports: list[ModuleReport]
+
+
+def enter_streams(
+    family: Family, backbone: nn.Module, batches: Mapping[str, Sequence[Mapping[str, Tensor]]]
+) -> dict[str, list[Stream]]:
+    return {t: [family.enter(backbone, b) for b in bs] for t, bs in batches.items()}
+
+
+def calibrate(
+    merged: nn.Module,
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    batches: Mapping[str, Sequence[Mapping[str, Tensor]]],
+    config: FeatCalConfig | None = None,
+    family: Family | None = None,
+    inplace: bool = False,
+    progress: bool = True,
+) -> CalibrationResult:
+    """FeatCal in forward order on a merged model.
+
+    `merged`, `base` and each `experts[task]` are models of one family (full task models or bare
+    backbones); `batches[task]` are tokenised calibration batches of that task (labels unused).
+    Returns the calibrated backbone (a copy unless `inplace`).
+    """
+    config = config or FeatCalConfig()
+    family = family or family_for(merged)
+    student = family.backbone(merged)
+    if not inplace:
+        student = copy.deepcopy(student)
+    student.eval()
+    base_bb = family.backbone(base).eval()
+    expert_bbs = {t: family.backbone(m).eval() for t, m in experts.items()}
+    missing = set(batches) - set(expert_bbs)
+    if missing:
+        raise KeyError(f"calibration data for tasks without an expert: {sorted(missing)}")
+    student_streams = enter_streams(family, student, batches)
+    expert_streams = {t: [family.enter(expert_bbs[t], b) for b in bs] for t, bs in batches.items()}
+    n_blocks = len(family.blocks(student))
+    drift, reports = [], []
+    for index in tqdm(range(n_blocks), desc="featcal", unit="layer", disable=not progress):
+        result = calibrate_block(
+            family, index, student, base_bb, expert_bbs, student_streams, expert_streams, config,
+            last=index == n_blocks - 1,
+        )
+        student_streams, expert_streams = result.student_next, result.expert_next
+        drift.append(result.drift)
+        reports.extend(result.reports)
+    if config.calibrate_pooler:
+        reports.extend(
+            calibrate_pooler(family, student, base_bb, expert_bbs, student_streams, expert_streams, config)
+        )
+    return CalibrationResult(student, drift, reports)

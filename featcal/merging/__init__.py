@@ -1,0 +1,30 @@
+"""Merge methods behind one registry.
+
+``merge_state_dicts(method, base, experts, options)`` validates and runs a registered method on
+backbone state dicts; ``MERGE_METHODS`` maps names to ``MergeMethod`` entries; ``register`` adds one.
+Importing this package registers the dense methods: average, task_arithmetic, ties, dare.
+"""
+
+from featcal.merging import dense as _dense  # noqa: F401  (registers the dense methods)
+from featcal.merging.dense import AverageOptions, DareOptions, TaskArithmeticOptions, TiesOptions
+from featcal.merging.registry import (
+    MERGE_METHODS,
+    MergeMethod,
+    build_options,
+    get_method,
+    merge_state_dicts,
+    register,
+)
+
+__all__ = [
+    "MERGE_METHODS",
+    "AverageOptions",
+    "DareOptions",
+    "MergeMethod",
+    "TaskArithmeticOptions",
+    "TiesOptions",
+    "build_options",
+    "get_method",
+    "merge_state_dicts",
+    "register",
+]

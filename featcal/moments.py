@@ -1,0 +1,112 @@
+"""Streaming moment sums in float64: exact, and summable across batches, processes and machines.
+
+A moment object holds running *sums* (never means), so two objects built from disjoint rows add
+to the object built from all rows. Means are taken only when a solve needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1]).to(torch.float64)
+
+
+def _row_weights(weights: Tensor | None, n: int) -> Tensor:
+    if weights is None:
+        return torch.ones(n, dtype=torch.float64)
+    return weights.reshape(-1).to(torch.float64)
+
+
+@dataclass
+class LinearMoments:
+    """Σw, Σw x_s x_sᵀ, Σw x_e x_sᵀ, Σw x_s, Σw x_e for one linear module and one task."""
+
+    count: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    student_gram: Tensor | None = None
+    cross: Tensor | None = None
+    student_sum: Tensor | None = None
+    expert_sum: Tensor | None = None
+
+    def add(self, student: Tensor, expert: Tensor, weights: Tensor | None = None) -> None:
+        """Add rows x_s, x_e (same shape (..., d)); `weights` optionally weights each row."""
+        xs, xe = _rows(student), _rows(expert)
+        if xs.shape != xe.shape:
+            raise ValueError(f"student rows {tuple(xs.shape)} and expert rows {tuple(xe.shape)} differ")
+        w = _row_weights(weights, xs.shape[0])
+        xs_w = xs * w[:, None]
+        upd = LinearMoments(w.sum(), xs_w.T @ xs, (xe * w[:, None]).T @ xs, xs_w.sum(0), (xe * w[:, None]).sum(0))
+        self.merge(upd)
+
+    def merge(self, other: "LinearMoments") -> "LinearMoments":
+        _merge_into(self, other)
+        return self
+
+    @property
+    def gram(self) -> Tensor:
+        """G = E[x_s x_sᵀ]."""
+        return self.student_gram / self.count
+
+    @property
+    def cross_mean(self) -> Tensor:
+        """K = E[x_e x_sᵀ]."""
+        return self.cross / self.count
+
+    @property
+    def student_mean(self) -> Tensor:
+        return self.student_sum / self.count
+
+    def target_mean(self, alpha: float) -> Tensor:
+        """μ_t = α E[x_e] + (1−α) E[x_s]."""
+        return (alpha * self.expert_sum + (1.0 - alpha) * self.student_sum) / self.count
+
+
+@dataclass
+class NormMoments:
+    """Σw, Σw z, Σw z² per channel of a norm module's normalised student input z."""
+
+    count: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    first: Tensor | None = None
+    second: Tensor | None = None
+
+    def add(self, normalised: Tensor, weights: Tensor | None = None) -> None:
+        z = _rows(normalised)
+        w = _row_weights(weights, z.shape[0])[:, None]
+        self.merge(NormMoments(w.sum(), (z * w).sum(0), (z * z * w).sum(0)))
+
+    def merge(self, other: "NormMoments") -> "NormMoments":
+        _merge_into(self, other)
+        return self
+
+    @property
+    def mean(self) -> Tensor:
+        return self.first / self.count
+
+    @property
+    def mean_square(self) -> Tensor:
+        return self.second / self.count
+
+
+Moments = LinearMoments | NormMoments
+
+
+def _merge_into(target, other) -> None:
+    for f in fields(target):
+        mine, theirs = getattr(target, f.name), getattr(other, f.name)
+        if theirs is None:
+            continue
+        setattr(target, f.name, theirs.clone() if mine is None else mine + theirs)
+
+
+def moments_to_arrays(m: Moments) -> dict[str, Tensor]:
+    """Flatten to named float64 tensors (for zarr stores and all-reduce)."""
+    return {f.name: getattr(m, f.name) for f in fields(m) if getattr(m, f.name) is not None}
+
+
+def moments_from_arrays(kind: str, arrays: dict[str, Tensor]) -> Moments:
+    cls = {"linear": LinearMoments, "norm": NormMoments}[kind]
+    return cls(**{k: torch.as_tensor(v, dtype=torch.float64) for k, v in arrays.items()})

@@ -1,0 +1,164 @@
+"""FeatCal's closed forms as pure tensor functions (no model, no I/O).
+
+Every function takes float64 statistics and returns float64 parameters; the caller casts back.
+Notation follows ../shared/spec/featcal.md: per task i, G_i = E[x_s x_sᵀ], K_i = E[x_e x_sᵀ],
+C_i = α K_i + (1−α) G_i, ω_i = 1 / max(‖G_i‖_F, ε).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+EPS = 1e-8
+ILL_CONDITIONED = 1e12
+
+
+@dataclass
+class SolveReport:
+    """What happened in one linear solve: the condition estimate and whether a fallback ran."""
+
+    condition: float
+    method: str
+
+    @property
+    def ill_conditioned(self) -> bool:
+        return not (self.condition < ILL_CONDITIONED)
+
+
+def task_weights(grams: Sequence[Tensor], eps: float = EPS) -> Tensor:
+    """ω_i = 1 / max(‖G_i‖_F, ε): no task dominates the solve through the scale of its features."""
+    norms = torch.stack([torch.linalg.matrix_norm(g, ord="fro") for g in grams])
+    return 1.0 / norms.clamp_min(eps)
+
+
+def target_cross(gram: Tensor, cross: Tensor, alpha: float) -> Tensor:
+    """C_i = E[x_t x_sᵀ] with x_t = α x_e + (1−α) x_s, i.e. α K_i + (1−α) G_i."""
+    return alpha * cross + (1.0 - alpha) * gram
+
+
+def spd_solve(a: Tensor, rhs: Tensor, name: str = "") -> tuple[Tensor, SolveReport]:
+    """Solve A X = rhs for symmetric positive (semi)definite A in float64.
+
+    Cholesky first; if A is not numerically positive definite, fall back to an
+    eigendecomposition pseudo-inverse and say so. Ill-conditioned systems are logged.
+    """
+    a = a.to(torch.float64)
+    a = 0.5 * (a + a.T)
+    rhs = rhs.to(torch.float64)
+    eig = torch.linalg.eigvalsh(a)
+    top = float(eig[-1].abs())
+    low = float(eig[0])
+    condition = float("inf") if low <= 0 else top / low
+    chol, info = torch.linalg.cholesky_ex(a)
+    if int(info) == 0:
+        out = torch.cholesky_solve(rhs, chol)
+        report = SolveReport(condition, "cholesky")
+    else:
+        vals, vecs = torch.linalg.eigh(a)
+        cutoff = vals.abs().max() * a.shape[0] * torch.finfo(torch.float64).eps
+        inv = torch.where(vals.abs() > cutoff, 1.0 / vals, torch.zeros_like(vals))
+        out = vecs @ (inv[:, None] * (vecs.T @ rhs))
+        report = SolveReport(condition, "eigh-pinv")
+        log.warning("%s: system not positive definite; used an eigendecomposition pseudo-inverse", name)
+    if report.ill_conditioned:
+        log.warning("%s: ill-conditioned system (condition %.3g); consider a larger ridge λ", name, condition)
+    return out, report
+
+
+def solve_linear_weight(
+    grams: Sequence[Tensor],
+    crosses: Sequence[Tensor],
+    expert_weights: Sequence[Tensor],
+    anchor: Tensor,
+    alpha: float,
+    ridge: float,
+    omegas: Tensor | None = None,
+    name: str = "",
+) -> tuple[Tensor, SolveReport]:
+    """W* = (Σ_i ω_i W_i C_i + λ W_anc)(Σ_i ω_i G_i + λ I)⁻¹.
+
+    Minimises Σ_i ω_i E‖W x_s − W_i x_t‖² + λ‖W − W_anc‖²_F. W has shape (m, d), G_i, K_i (d, d).
+    """
+    if omegas is None:
+        omegas = task_weights(grams)
+    d = anchor.shape[1]
+    lhs = ridge * torch.eye(d, dtype=torch.float64)
+    rhs = ridge * anchor.to(torch.float64)
+    for w, g, k, w_i in zip(omegas, grams, crosses, expert_weights):
+        lhs = lhs + w * g
+        rhs = rhs + w * (w_i.to(torch.float64) @ target_cross(g, k, alpha))
+    solution_t, report = spd_solve(lhs, rhs.T, name)
+    return solution_t.T.contiguous(), report
+
+
+def solve_bias(
+    weight: Tensor,
+    student_means: Sequence[Tensor],
+    target_means: Sequence[Tensor],
+    expert_weights: Sequence[Tensor],
+    expert_biases: Sequence[Tensor],
+    anchor_bias: Tensor,
+    ridge: float,
+    omegas: Tensor,
+) -> Tensor:
+    """b* = [Σ_i ω_i (b_i + W_i μ_t,i − W* μ_s,i) + λ b_anc] / (Σ_i ω_i + λ), after the weight."""
+    weight = weight.to(torch.float64)
+    num = ridge * anchor_bias.to(torch.float64)
+    for w, mu_s, mu_t, w_i, b_i in zip(omegas, student_means, target_means, expert_weights, expert_biases):
+        num = num + w * (b_i.to(torch.float64) + w_i.to(torch.float64) @ mu_t - weight @ mu_s)
+    return num / (omegas.sum() + ridge)
+
+
+def solve_layernorm(
+    first: Sequence[Tensor],
+    second: Sequence[Tensor],
+    expert_gammas: Sequence[Tensor],
+    expert_betas: Sequence[Tensor],
+    anchor_gamma: Tensor,
+    anchor_beta: Tensor,
+    ridge: float,
+) -> tuple[Tensor, Tensor]:
+    """Per-channel 2×2 normal equations for LayerNorm's affine (γ, β).
+
+    With z the student's normalised input, m_i = E[z], e_i = E[z²]:
+    [Σe_i + λ, Σm_i; Σm_i, T + λ] [γ; β] = [Σ(e_i γ_i + m_i β_i) + λγ_anc; Σ(m_i γ_i + β_i) + λβ_anc].
+    """
+    n_tasks = len(first)
+    m = torch.stack([t.to(torch.float64) for t in first])
+    e = torch.stack([t.to(torch.float64) for t in second])
+    g = torch.stack([t.to(torch.float64) for t in expert_gammas])
+    b = torch.stack([t.to(torch.float64) for t in expert_betas])
+    a11 = e.sum(0) + ridge
+    a12 = m.sum(0)
+    a22 = n_tasks + ridge
+    r1 = (e * g + m * b).sum(0) + ridge * anchor_gamma.to(torch.float64)
+    r2 = (m * g + b).sum(0) + ridge * anchor_beta.to(torch.float64)
+    det = a11 * a22 - a12 * a12
+    det = torch.where(det.abs() < 1e-8, torch.full_like(det, 1e-8), det)
+    gamma = (a22 * r1 - a12 * r2) / det
+    beta = (a11 * r2 - a12 * r1) / det
+    return gamma, beta
+
+
+def solve_rmsnorm(
+    second: Sequence[Tensor],
+    expert_gammas: Sequence[Tensor],
+    anchor_gamma: Tensor,
+    ridge: float,
+) -> Tensor:
+    """RMSNorm γ* = (Σ_i e_i γ_i + λ γ_anc) / (Σ_i e_i + λ), e_i = E[z²], z = x / rms(x)."""
+    e = torch.stack([t.to(torch.float64) for t in second])
+    g = torch.stack([t.to(torch.float64) for t in expert_gammas])
+    return ((e * g).sum(0) + ridge * anchor_gamma.to(torch.float64)) / (e.sum(0) + ridge)
+
+
+def anchor(merged: Tensor, base: Tensor, rho: float) -> Tensor:
+    """W_anc = ρ W_mer + (1−ρ) W_base, from the pre-calibration merged weights."""
+    return rho * merged.to(torch.float64) + (1.0 - rho) * base.to(torch.float64)
