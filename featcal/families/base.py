@@ -161,6 +161,14 @@ class Family:
         """Which rows of a module's captured input are real tokens."""
         return stream.mask
 
+    def block_output(self, backbone: nn.Module, index: int, stream: Stream) -> tuple[Tensor, Tensor]:
+        """Block `index`'s output and its real-token mask, given the stream `run_block` returned.
+
+        The stream itself, except where running a block also moves on to the next stage (T5: after
+        the last encoder block the stream is the decoder's input). What per-layer drift compares.
+        """
+        return stream.hidden, stream.mask
+
     def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
         """The representation after the last block that heads read ([B, d]); used for drift."""
         return pool(stream.hidden, stream.mask, stream.pooled_index)

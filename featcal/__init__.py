@@ -1,0 +1,35 @@
+"""featcal: merge fine-tuned experts, then calibrate the merged model toward them (FeatCal).
+
+    from featcal import merge_models, calibrate, FeatCalConfig, save_multitask, load_task_model
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Mapping
+
+from torch import nn
+
+from .calibrate import CalibrationResult, FeatCalConfig, calibrate
+from .families import family_for
+from .merging import MERGE_METHODS, merge_state_dicts
+from .modeling import load_task_model, save_multitask
+
+
+def merge_models(
+    base: nn.Module, experts: Mapping[str, nn.Module], method: str = "task_arithmetic", options: Mapping | None = None
+) -> nn.Module:
+    """A copy of the base backbone holding the merge of the experts' backbones (heads untouched)."""
+    family = family_for(base)
+    merged = copy.deepcopy(family.backbone(base))
+    state = merge_state_dicts(
+        method, merged.state_dict(), [family.backbone(m).state_dict() for m in experts.values()], options
+    )
+    merged.load_state_dict(state)
+    return merged.eval()
+
+
+__all__ = [
+    "MERGE_METHODS", "CalibrationResult", "FeatCalConfig", "calibrate", "load_task_model",
+    "merge_models", "save_multitask",
+]

@@ -1,0 +1,51 @@
+"""CLIP vision towers (`CLIPVisionModel`, `CLIPVisionModelWithProjection`): CLS pooling.
+
+Backbone = the whole vision tower, i.e. the `CLIPVisionModel` (for `CLIPVisionModelWithProjection`
+that is `model.vision_model`): patch and position embeddings, `pre_layrnorm`, the encoder blocks
+and `post_layernorm`. This is the part that the CLIP merging benchmarks (and the FeatCal release)
+merge. The head lives outside it: `visual_projection` (when the model has one) followed by the
+task's zero-shot classifier; it keeps its merged values.
+
+`pre_layrnorm` runs before block 0, so the hook-captured stream entering block 0 already includes
+it. The head reads `post_layernorm(h_L[:, 0])` (the tower's `pooler_output`); `head_features`
+returns exactly that.
+
+`CLIPModel` / `CLIPForImageClassification` (model_type "clip") are not registered: the latter
+mean-pools the patch tokens, which a model_type alone cannot tell apart from CLS pooling.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .base import Family, Stream
+from .vit import all_tokens, image_inputs
+
+
+class CLIPVisionFamily(Family):
+    name = "clip"
+    model_types = ("clip_vision_model",)
+    pooling = "cls"
+
+    def backbone(self, model: nn.Module) -> nn.Module:
+        """The vision tower: descend through `vision_model` wrappers (with-projection, older layouts)."""
+        while hasattr(model, "vision_model"):
+            model = model.vision_model
+        return model
+
+    def blocks(self, backbone: nn.Module) -> list[nn.Module]:
+        return list(backbone.encoder.layers)
+
+    def model_inputs(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return image_inputs(inputs)
+
+    def token_mask(self, inputs: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
+        return all_tokens(hidden)
+
+    def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
+        """post_layernorm(CLS of the last block): the tower's pooled output."""
+        cls = stream.hidden[torch.arange(stream.hidden.shape[0]), stream.pooled_index]
+        return backbone.post_layernorm(cls)

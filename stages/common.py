@@ -1,0 +1,79 @@
+"""Shared plumbing for the thin DVC entry points: params, timing, logging. No algorithm here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from featcal.data import CalibrationSpec  # noqa: E402
+from featcal.modeling import write_json  # noqa: E402
+
+TIMING_DIR = Path("results/timing")
+
+
+def load_params(path: str | os.PathLike = "params.yaml") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise SystemExit(f"params file {path} not found (run from the project root)")
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+
+
+def get(params: dict, dotted: str, default=...):
+    """params['a']['b'] for 'a.b'; a missing key without default is an error naming it."""
+    node = params
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            if default is ...:
+                raise SystemExit(f"params.yaml: missing key {dotted!r}")
+            return default
+        node = node[part]
+    return node
+
+
+def enabled_tasks(params: dict) -> list[str]:
+    tasks = get(params, "tasks")
+    return [name for name, spec in tasks.items() if (spec or {}).get("enabled", True)]
+
+
+def max_length(params: dict, task: str) -> int:
+    tokens = get(params, "tokens")
+    return int(tokens.get("per_task", {}).get(task, tokens["max_length"]))
+
+
+def calibration_spec(params: dict, tasks: list[str]) -> CalibrationSpec:
+    calib = get(params, "calibration")
+    return CalibrationSpec(
+        tasks_dir=get(params, "tasks_dir"), tasks=tasks, seed=int(get(params, "seed")),
+        examples_per_task=int(calib["examples_per_task"]), batch_size=int(calib["batch_size"]),
+        max_length={t: max_length(params, t) for t in tasks},
+    )
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+@contextmanager
+def timed(stage: str):
+    """Record the stage's wall seconds and peak resident memory in results/timing/<stage>.json."""
+    start = time.perf_counter()
+    yield
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    write_json(TIMING_DIR / f"{stage}.json", {"stage": stage, "wall_s": round(time.perf_counter() - start, 2),
+                                              "peak_rss_mib": round(peak_mib, 1)})
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_text())

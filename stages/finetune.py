@@ -1,0 +1,50 @@
+"""DVC stage `finetune@<task>`: one expert per task (or a user's existing checkpoint, unchanged)."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import get, load_params, max_length, setup_logging, timed
+
+from featcal.data import num_labels, read_split
+from featcal.modeling import atomic_dir, load_classifier, load_tokenizer, write_json
+from featcal.train import FinetuneConfig, accuracy, finetune
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--task", required=True)
+    task = parser.parse_args().task
+    setup_logging()
+    params = load_params()
+    tasks_dir = get(params, "tasks_dir")
+    base_ref = get(params, "model.base")
+    existing = (get(params, "experts.paths", {}) or {}).get(task)
+    torch.set_num_threads(torch.get_num_threads())
+    with timed(f"finetune@{task}"):
+        tokenizer = load_tokenizer(base_ref)
+        length = max_length(params, task)
+        if existing:
+            model = load_classifier(existing)
+            if model.config.num_labels != num_labels(tasks_dir, task):
+                raise SystemExit(f"experts.paths.{task}: {existing} has {model.config.num_labels} labels, "
+                                 f"task {task!r} has {num_labels(tasks_dir, task)}")
+        else:
+            settings = dict(get(params, "finetune"))
+            overrides = settings.pop("overrides", {}) or {}
+            settings.update(overrides.get(task, {}))
+            config = FinetuneConfig(max_length=length, seed=int(get(params, "seed")), **settings)
+            torch.manual_seed(config.seed)
+            model = load_classifier(base_ref, num_labels=num_labels(tasks_dir, task))
+            model = finetune(model, tokenizer, read_split(tasks_dir, task, "train"), config)
+        scores = {s: accuracy(model, tokenizer, read_split(tasks_dir, task, s), length) for s in ("dev", "test")}
+        with atomic_dir(f"experts/{task}") as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        write_json(f"results/experts/{task}.json", {"task": task, "source": existing or "finetuned", **scores})
+    print(f"{task}: dev {scores['dev']:.3f} test {scores['test']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""DVC stage `prepare`: task sources -> data/tasks/<task>/{train,dev,test}.parquet + labels.json.
+
+Reads params `tasks` (task name -> spec, see featcal.tasks.TaskSpec; `enabled: false` skips one)
+and `seed` (default 0), and prints one summary line per task.
+
+    python stages/prepare.py [--params params.yaml] [--out data/tasks] [--only TASK ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import yaml
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from featcal.tasks import TaskSpec, load_task_frame, split_task, summarize, write_task
+
+
+def read_specs(params_path: Path) -> tuple[list[TaskSpec], int]:
+    """All task specs (validated, enabled or not) and the seed from a params file."""
+    if not params_path.is_file():
+        raise SystemExit(f"params file {params_path} not found")
+    params = yaml.safe_load(params_path.read_text(encoding="utf-8")) or {}
+    tasks = params.get("tasks")
+    if not isinstance(tasks, dict) or not tasks:
+        raise SystemExit(f"{params_path}: key 'tasks' must be a non-empty mapping task name -> spec")
+    seed = params.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SystemExit(f"{params_path}: key 'seed' must be an integer, found {seed!r}")
+    try:
+        specs = [TaskSpec.from_mapping(str(name), spec) for name, spec in tasks.items()]
+    except ValueError as err:
+        raise SystemExit(f"{params_path}: {err}") from err
+    return specs, seed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser.add_argument("--out", type=Path, default=Path("data/tasks"))
+    parser.add_argument("--only", nargs="+", metavar="TASK", help="prepare only these tasks")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    specs, seed = read_specs(args.params)
+    if args.only:
+        unknown = sorted(set(args.only) - {s.name for s in specs})
+        if unknown:
+            raise SystemExit(f"--only: tasks {unknown} are not in {args.params}")
+        specs = [s for s in specs if s.name in args.only]
+    for spec in specs:
+        if not spec.enabled:
+            print(f"{spec.name}: skipped (enabled: false)")
+    specs = [s for s in specs if s.enabled]
+
+    with logging_redirect_tqdm():
+        for spec in tqdm(specs, desc="prepare", unit="task", file=sys.stderr):
+            frame = load_task_frame(spec)
+            labels = frame.attrs["classes"]
+            splits = split_task(frame, spec, seed=seed)
+            write_task(splits, args.out / spec.name, labels)
+            tqdm.write(summarize(spec.name, splits, labels), file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
