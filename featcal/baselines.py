@@ -1,0 +1,456 @@
+"""Post-merge calibration baselines FeatCal is compared against: Representation Surgery and ProbSurgery.
+
+Both train one small module per task on the merged model's final representation f_M(x) (the
+representation the task head reads) so that it matches the expert's f_t(x); the deployed model
+then carries one extra module per task (../shared/spec/merging.md, "Post-merge calibration
+baselines").
+
+- Surgery: f̂ = f_M − up(ReLU(down(f_M))), down = Linear(d, 16), up = Linear(16, d) zero-initialised.
+- ProbSurgery: h = ReLU(up(f_M)), μ = mean(h), logvar = logvar(h) (heads zero-initialised);
+  training f̂ = f_M − (μ + exp(½ logvar)·ε), inference f̂ = f_M − μ.
+
+The backbone is frozen, so training runs on *cached* representations (`representations`). The
+public versions adapt on (and pick checkpoints by) the test split; here the only accepted split is
+the calibration (train) split that FeatCal reads — `split` must be "train", anything else raises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+from transformers.modeling_outputs import SequenceClassifierOutput
+
+from .modeling import atomic_dir
+
+CALIBRATION_SPLIT = "train"
+KINDS = ("surgery", "probsurgery")
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+META_FILE = "surgery.json"
+WEIGHTS_FILE = "surgery.safetensors"
+
+
+# --- modules ---------------------------------------------------------------------------------------
+
+
+class SurgeryModule(nn.Module):
+    """Representation Surgery: f̂ = f_M − up(ReLU(down(f_M))); starts as the identity (up = 0)."""
+
+    def __init__(self, d: int, rank: int = 16):
+        super().__init__()
+        self.d, self.rank = int(d), int(rank)
+        self.down = nn.Linear(self.d, self.rank, bias=False)  # nn.Linear default: kaiming uniform, a = √5
+        self.up = nn.Linear(self.rank, self.d, bias=False)
+        nn.init.zeros_(self.up.weight)
+
+    def bias_estimate(self, f_m: Tensor) -> Tensor:
+        """The representation bias the module removes: up(ReLU(down(f_M)))."""
+        return self.up(F.relu(self.down(f_m)))
+
+    def forward(self, f_m: Tensor) -> Tensor:
+        return f_m - self.bias_estimate(f_m)
+
+
+class ProbSurgeryModule(nn.Module):
+    """ProbSurgery: a Gaussian over the representation bias; samples it while training, removes
+    its mean at inference (`eval()` mode, or `sample=False`)."""
+
+    def __init__(self, d: int, hidden: int = 128):
+        super().__init__()
+        self.d, self.hidden = int(d), int(hidden)
+        self.up = nn.Linear(self.d, self.hidden, bias=False)
+        self.mean = nn.Linear(self.hidden, self.d)
+        self.logvar = nn.Linear(self.hidden, self.d)
+        for head in (self.mean, self.logvar):
+            nn.init.zeros_(head.weight)
+            nn.init.zeros_(head.bias)
+
+    @property
+    def rank(self) -> int:
+        return self.hidden
+
+    def encode(self, f_m: Tensor) -> tuple[Tensor, Tensor]:
+        """(μ, logvar) of the representation bias, each [..., d]."""
+        h = F.relu(self.up(f_m))
+        return self.mean(h), self.logvar(h)
+
+    def forward(self, f_m: Tensor, sample: bool | None = None, generator: torch.Generator | None = None) -> Tensor:
+        """f_M − z with z = μ + exp(½ logvar)·ε when sampling (default: in training mode),
+        else f_M − μ. ε is drawn on the CPU from `generator` (seeded runs are device independent)."""
+        return self.forward_with_stats(f_m, sample, generator)[0]
+
+    def forward_with_stats(
+        self, f_m: Tensor, sample: bool | None = None, generator: torch.Generator | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(f̂, μ, logvar)."""
+        mu, logvar = self.encode(f_m)
+        if self.training if sample is None else sample:
+            eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype).to(mu.device)
+            z = mu + torch.exp(0.5 * logvar) * eps
+        else:
+            z = mu
+        return f_m - z, mu, logvar
+
+
+def gaussian_kl(mu: Tensor, logvar: Tensor) -> Tensor:
+    """KL(N(μ, e^logvar) ‖ N(0, 1)) = −½ Σ_d (1 + logvar − μ² − e^logvar), mean over the batch."""
+    return (-0.5 * (1 + logvar - mu.pow(2) - logvar.exp()).sum(-1)).mean()
+
+
+# --- training --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SurgeryConfig:
+    """Representation Surgery's training knobs; defaults are the spec's."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    iterations: int = 500
+    batches_per_iteration: int = 2  # per task, each iteration
+    batch_size: int = 16
+    rank: int = 16
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ("lr", "iterations", "batches_per_iteration", "batch_size", "rank"))
+
+
+@dataclass
+class ProbSurgeryConfig:
+    """ProbSurgery's training knobs; defaults are the spec's (5 × 800 steps of batch 16)."""
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    iterations: int = 5 * 800
+    batch_size: int = 16
+    hidden: int = 128
+    kl_weight: float = 1e-4
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ("lr", "iterations", "batch_size", "hidden"))
+        if self.kl_weight < 0:
+            raise ValueError(f"probsurgery.kl_weight must be >= 0, got {self.kl_weight}")
+
+
+def _check_positive(config, names: Iterable[str]) -> None:
+    for name in names:
+        if not getattr(config, name) > 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be > 0, got {getattr(config, name)}")
+
+
+def check_calibration_split(split: str) -> None:
+    if split != CALIBRATION_SPLIT:
+        raise ValueError(
+            f"split={split!r}: the Surgery/ProbSurgery baselines only ever adapt on the calibration "
+            f"({CALIBRATION_SPLIT}) split; dev is for choosing hyperparameters and test is read once, "
+            "for the final report (see the protocol in shared/spec/featcal.md)"
+        )
+
+
+def _check_features(merged: Mapping[str, Tensor], expert: Mapping[str, Tensor]) -> int:
+    if not merged:
+        raise ValueError("no tasks: merged_feats is empty")
+    if set(merged) != set(expert):
+        raise ValueError(f"merged and expert features cover different tasks: {sorted(merged)} vs {sorted(expert)}")
+    dims = set()
+    for task in merged:
+        m, e = merged[task], expert[task]
+        if m.ndim != 2 or m.shape != e.shape:
+            raise ValueError(f"task {task!r}: features must be [n, d] and equal in shape, got {tuple(m.shape)} and {tuple(e.shape)}")
+        if m.shape[0] == 0:
+            raise ValueError(f"task {task!r}: no calibration examples")
+        dims.add(m.shape[1])
+    if len(dims) != 1:
+        raise ValueError(f"tasks have different feature widths: {sorted(dims)}")
+    return dims.pop()
+
+
+class _Sampler:
+    """Batches drawn through reshuffled permutations (every example once per pass), from one
+    seeded CPU generator."""
+
+    def __init__(self, n: int, batch_size: int, generator: torch.Generator):
+        self.n, self.batch_size, self.generator = n, min(batch_size, n), generator
+        self.order, self.pos = torch.empty(0, dtype=torch.long), 0
+
+    def next(self) -> Tensor:
+        if self.pos + self.batch_size > len(self.order):
+            self.order, self.pos = torch.randperm(self.n, generator=self.generator), 0
+        batch = self.order[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return batch
+
+
+def _prepare(merged, expert, split):
+    check_calibration_split(split)
+    d = _check_features(merged, expert)
+    tasks = list(merged)
+    m = {t: merged[t].detach().float() for t in tasks}
+    e = {t: expert[t].detach().float().to(m[t].device) for t in tasks}
+    return d, tasks, m, e
+
+
+def _build(tasks: Sequence[str], seed: int, make) -> dict[str, nn.Module]:
+    """Modules initialised from `seed` without touching the global RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return {t: make() for t in tasks}
+
+
+def train_surgery(
+    merged_feats: Mapping[str, Tensor],
+    expert_feats: Mapping[str, Tensor],
+    config: SurgeryConfig | None,
+    split: str,
+) -> dict[str, SurgeryModule]:
+    """One Surgery module per task, trained on cached representations of calibration examples.
+
+    `split` names where the features came from and must be "train" (the calibration split);
+    `config=None` takes the spec's defaults.
+
+    Each iteration takes `batches_per_iteration` batches of `batch_size` per task; the loss is the
+    sum over tasks and batches of mean L1(f̂_t, f_t); one Adam step per iteration.
+    """
+    config = config or SurgeryConfig()
+    d, tasks, m, e = _prepare(merged_feats, expert_feats, split)
+    modules = _build(tasks, config.seed, lambda: SurgeryModule(d, config.rank))
+    for t in tasks:
+        modules[t].to(m[t].device).train()
+    params = [p for mod in modules.values() for p in mod.parameters()]
+    opt = torch.optim.Adam(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    g = torch.Generator().manual_seed(config.seed)
+    samplers = {t: _Sampler(m[t].shape[0], config.batch_size, g) for t in tasks}
+    bar = tqdm(range(config.iterations), desc="surgery", unit="step", disable=not config.progress)
+    for step in bar:
+        loss = m[tasks[0]].new_zeros(())
+        for t in tasks:
+            for _ in range(config.batches_per_iteration):
+                idx = samplers[t].next().to(m[t].device)
+                loss = loss + F.l1_loss(modules[t](m[t][idx]), e[t][idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if config.progress and (step % 25 == 0 or step == config.iterations - 1):
+            bar.set_postfix(l1=f"{loss.item() / (len(tasks) * config.batches_per_iteration):.4f}")
+    bar.close()
+    return {t: mod.eval() for t, mod in modules.items()}
+
+
+def train_probsurgery(
+    merged_feats: Mapping[str, Tensor],
+    expert_feats: Mapping[str, Tensor],
+    config: ProbSurgeryConfig | None,
+    split: str,
+) -> dict[str, ProbSurgeryModule]:
+    """One ProbSurgery module per task, trained on cached representations of calibration examples.
+
+    `split` must be "train" (the calibration split); `config=None` takes the spec's defaults.
+
+    Each step takes one batch per task; loss = Σ_t [mean L1(f̂_t, f_t) + kl_weight · KL_t], with
+    f̂_t = f_M − (μ + exp(½ logvar)·ε); one Adam step per step. The modules come back in eval mode
+    (inference removes μ only).
+    """
+    config = config or ProbSurgeryConfig()
+    d, tasks, m, e = _prepare(merged_feats, expert_feats, split)
+    modules = _build(tasks, config.seed, lambda: ProbSurgeryModule(d, config.hidden))
+    for t in tasks:
+        modules[t].to(m[t].device).train()
+    params = [p for mod in modules.values() for p in mod.parameters()]
+    opt = torch.optim.Adam(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    g = torch.Generator().manual_seed(config.seed)
+    samplers = {t: _Sampler(m[t].shape[0], config.batch_size, g) for t in tasks}
+    bar = tqdm(range(config.iterations), desc="probsurgery", unit="step", disable=not config.progress)
+    for step in bar:
+        loss = m[tasks[0]].new_zeros(())
+        l1_sum = m[tasks[0]].new_zeros(())
+        for t in tasks:
+            idx = samplers[t].next().to(m[t].device)
+            f_hat, mu, logvar = modules[t].forward_with_stats(m[t][idx], sample=True, generator=g)
+            l1 = F.l1_loss(f_hat, e[t][idx])
+            loss = loss + l1 + config.kl_weight * gaussian_kl(mu, logvar)
+            l1_sum = l1_sum + l1.detach()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if config.progress and (step % 25 == 0 or step == config.iterations - 1):
+            bar.set_postfix(l1=f"{l1_sum.item() / len(tasks):.4f}")
+    bar.close()
+    return {t: mod.eval() for t, mod in modules.items()}
+
+
+@torch.no_grad()
+def feature_l1(
+    modules: Mapping[str, nn.Module] | None, merged_feats: Mapping[str, Tensor], expert_feats: Mapping[str, Tensor]
+) -> dict[str, float]:
+    """Mean L1 between (corrected) merged and expert features per task; `modules=None` (or a task
+    missing from it) measures the uncorrected merged features. Modules run in inference mode."""
+    out = {}
+    for t in merged_feats:
+        f = merged_feats[t].float()
+        mod = (modules or {}).get(t)
+        if mod is not None:
+            was_training = mod.training
+            f = mod.eval()(f)
+            mod.train(was_training)
+        out[t] = float(F.l1_loss(f, expert_feats[t].float().to(f.device)))
+    return out
+
+
+# --- the deployed form --------------------------------------------------------------------------------
+
+
+def _bert_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(encoder with pooler, dropout, classifier) of a BERT-style sequence-classification model."""
+    bert, classifier = getattr(model, "bert", None), getattr(model, "classifier", None)
+    if bert is None or not isinstance(classifier, nn.Linear) or getattr(bert, "pooler", None) is None:
+        raise TypeError(
+            f"{type(model).__name__}: Surgery/ProbSurgery deployment is implemented for BERT-style "
+            "sequence classification only (model.bert with a pooler, and a Linear model.classifier "
+            "reading the pooler output); other heads read a different representation"
+        )
+    dropout = getattr(model, "dropout", None)
+    return bert, dropout if dropout is not None else nn.Identity(), classifier
+
+
+def _model_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS}
+
+
+class SurgeryClassifier(nn.Module):
+    """A task's sequence-classification model with a Surgery/ProbSurgery module between the
+    representation its head reads (BERT: the pooler output) and the head:
+    logits = classifier(dropout(module(pooler_output)))."""
+
+    def __init__(self, task_model: nn.Module, module: nn.Module):
+        super().__init__()
+        _bert_parts(task_model)
+        d = task_model.config.hidden_size
+        if getattr(module, "d", d) != d:
+            raise ValueError(f"module width {module.d} does not match the model's hidden size {d}")
+        self.model = task_model
+        self.surgery = module
+        self.config = task_model.config
+
+    def representation(self, **batch: Tensor) -> Tensor:
+        """f_M: the representation the head reads (the pooler output)."""
+        bert, _, _ = _bert_parts(self.model)
+        return bert(**_model_inputs(batch), return_dict=True).pooler_output
+
+    def forward(self, labels: Tensor | None = None, **batch: Tensor) -> SequenceClassifierOutput:
+        _, dropout, classifier = _bert_parts(self.model)
+        f_m = self.representation(**batch)
+        param = next(self.surgery.parameters(), None)
+        f_hat = self.surgery(f_m.to(param.dtype) if param is not None else f_m).to(f_m.dtype)
+        logits = classifier(dropout(f_hat))
+        return SequenceClassifierOutput(loss=None if labels is None else _loss(self.config, logits, labels), logits=logits)
+
+
+def _loss(config, logits: Tensor, labels: Tensor) -> Tensor:
+    """The loss Hugging Face's sequence-classification models compute for these labels."""
+    n = logits.shape[-1]
+    problem = config.problem_type or (
+        "regression" if n == 1
+        else "single_label_classification" if labels.dtype in (torch.long, torch.int) else "multi_label_classification"
+    )
+    if problem == "regression":
+        return F.mse_loss(logits.squeeze(), labels.squeeze().to(logits.dtype)) if n == 1 else F.mse_loss(logits, labels)
+    if problem == "single_label_classification":
+        return F.cross_entropy(logits.view(-1, n), labels.view(-1))
+    return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype))
+
+
+@torch.no_grad()
+def representations(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> Tensor:
+    """f_M for every example of `batches` ([n, d]): the representation a BERT-style head reads
+    (the pooler output). `model` is a sequence-classification model, or a bare BERT with a pooler."""
+    if hasattr(model, "bert") or getattr(model, "pooler", None) is None:
+        bert = _bert_parts(model)[0]
+    else:
+        bert = model  # a bare BERT encoder with its pooler
+    was_training = bert.training
+    bert.eval()
+    try:
+        device = next(bert.parameters()).device
+        feats = [
+            bert(**{k: v.to(device) for k, v in _model_inputs(b).items()}, return_dict=True).pooler_output
+            for b in batches
+        ]
+    finally:
+        bert.train(was_training)
+    if not feats:
+        raise ValueError("no batches")
+    return torch.cat(feats)
+
+
+# --- saving and loading ------------------------------------------------------------------------------
+
+
+def _kind_of(module: nn.Module) -> str:
+    if isinstance(module, SurgeryModule):
+        return "surgery"
+    if isinstance(module, ProbSurgeryModule):
+        return "probsurgery"
+    raise TypeError(f"not a Surgery/ProbSurgery module: {type(module).__name__}")
+
+
+def save_surgery(out_dir: str | os.PathLike, modules: Mapping[str, nn.Module], kind: str) -> None:
+    """One safetensors file (`<task>/<param>` keys) + surgery.json (kind, d, rank, tasks), written
+    atomically (temporary folder, then rename)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not modules:
+        raise ValueError("no modules to save")
+    kinds = {t: _kind_of(m) for t, m in modules.items()}
+    wrong = {t: k for t, k in kinds.items() if k != kind}
+    if wrong:
+        raise ValueError(f"kind={kind!r} but these modules are not: {wrong}")
+    dims = {(m.d, m.rank) for m in modules.values()}
+    if len(dims) != 1:
+        raise ValueError(f"modules differ in (d, rank): {sorted(dims)}")
+    (d, rank), = dims
+    tensors = {f"{t}/{k}": v.detach().cpu().contiguous() for t, m in modules.items() for k, v in m.state_dict().items()}
+    meta = {"kind": kind, "d": d, "rank": rank, "tasks": list(modules)}
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, tmp / WEIGHTS_FILE)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_surgery(in_dir: str | os.PathLike) -> dict[str, nn.Module]:
+    """The modules `save_surgery` wrote, in eval (inference) mode."""
+    in_dir = Path(in_dir)
+    meta_path = in_dir / META_FILE
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{in_dir}: no {META_FILE} (not a saved Surgery/ProbSurgery folder)")
+    meta = json.loads(meta_path.read_text())
+    kind = meta.get("kind")
+    if kind not in KINDS:
+        raise ValueError(f"{meta_path}: unknown kind {kind!r}; expected one of {KINDS}")
+    cls = SurgeryModule if kind == "surgery" else ProbSurgeryModule
+    tensors = load_file(in_dir / WEIGHTS_FILE)
+    modules = {}
+    for task in meta["tasks"]:
+        module = cls(int(meta["d"]), int(meta["rank"]))
+        module.load_state_dict({k: tensors[f"{task}/{k}"] for k in module.state_dict()})
+        modules[task] = module.eval()
+    return modules
+
+
+__all__ = [
+    "ProbSurgeryConfig", "ProbSurgeryModule", "SurgeryClassifier", "SurgeryConfig", "SurgeryModule",
+    "check_calibration_split", "feature_l1", "gaussian_kl", "load_surgery", "representations",
+    "save_surgery", "train_probsurgery", "train_surgery",
+]
