@@ -33,10 +33,13 @@ def write_group(
         group.attrs.update(dict(attrs or {}))
         for name, value in arrays.items():
             data = _numpy(value)
-            chunks = (min(chunk_rows, data.shape[0]) or 1,) + data.shape[1:] if data.ndim else ()
-            shards = tuple(max(1, s) for s in data.shape) if data.ndim else None
-            chunks = tuple(max(1, c) for c in chunks) if data.ndim else None
-            arr = group.create_array(name, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards)
+            layout = {}
+            if data.ndim:
+                rows = max(1, min(chunk_rows, data.shape[0]))
+                chunks = (rows,) + tuple(max(1, s) for s in data.shape[1:])
+                # one shard holds the whole array; its shape must be a multiple of the chunk shape
+                layout = {"chunks": chunks, "shards": (-(-max(1, data.shape[0]) // rows) * rows,) + chunks[1:]}
+            arr = group.create_array(name, shape=data.shape, dtype=data.dtype, **layout)
             arr[...] = data
 
 

@@ -1,0 +1,36 @@
+"""Per-layer zarr caches: exact round trip, one shard file per array, nothing left half-written."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from featcal.store import read_attrs, read_group, write_group
+
+
+def test_group_round_trips_with_one_shard_per_array(tmp_path):
+    arrays = {"bbc": torch.randn(37, 5, 4), "tweets": torch.randn(16, 3, 4),
+              "query/bbc/count": torch.tensor(3.0, dtype=torch.float64), "mask/bbc": torch.ones(37, 5, dtype=torch.bool)}
+    write_group(tmp_path / "layer_00.zarr", arrays, {"layer": 0})
+    back = read_group(tmp_path / "layer_00.zarr")
+    assert set(back) == set(arrays)
+    for name, value in arrays.items():
+        assert torch.equal(back[name], value), name
+    assert read_attrs(tmp_path / "layer_00.zarr") == {"layer": 0}
+    chunk_files = [p for p in (tmp_path / "layer_00.zarr").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    assert len(chunk_files) == len(arrays)
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path):
+    class Broken:
+        def __array__(self, *args, **kwargs):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        write_group(tmp_path / "layer_01.zarr", {"ok": torch.ones(2), "bad": Broken()})
+    assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_missing_group_error_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="layer_09.zarr"):
+        read_group(tmp_path / "layer_09.zarr")
