@@ -244,15 +244,26 @@ class LayerDrift:
     cosine: float
 
 
-def stream_drift(student: Sequence[Stream], expert: Sequence[Stream]) -> tuple[Tensor, Tensor, Tensor]:
-    """Sums of L2 distance, cosine and the token count between matching streams' real tokens."""
+def block_drift(
+    family: Family,
+    index: int,
+    student_backbone: nn.Module,
+    expert_backbones: Mapping[str, nn.Module],
+    student: Mapping[str, Sequence[Stream]],
+    expert: Mapping[str, Sequence[Stream]],
+) -> LayerDrift:
+    """Mean L2 distance and cosine similarity between block `index`'s outputs in the student and
+    expert streams (the streams `run_block` returned), over every real token of every task."""
     l2 = cos = count = torch.zeros((), dtype=torch.float64)
-    for s, e in zip(student, expert):
-        hs, he = s.hidden[s.mask].double(), e.hidden[s.mask].double()
-        l2 = l2 + (hs - he).norm(dim=-1).sum()
-        cos = cos + F.cosine_similarity(hs, he, dim=-1).sum()
-        count = count + hs.shape[0]
-    return l2, cos, count
+    for task, streams in student.items():
+        for s, e in zip(streams, expert[task], strict=True):
+            hs, mask = family.block_output(student_backbone, index, s)
+            he, _ = family.block_output(expert_backbones[task], index, e)
+            hs, he = hs[mask].double(), he[mask].double()
+            l2 = l2 + (hs - he).norm(dim=-1).sum()
+            cos = cos + F.cosine_similarity(hs, he, dim=-1).sum()
+            count = count + hs.shape[0]
+    return LayerDrift(index, float(l2 / count), float(cos / count))
 
 
 @dataclass
@@ -304,11 +315,7 @@ def calibrate_block(
     student_next = {
         t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()
     }
-    l2 = cos = count = torch.zeros((), dtype=torch.float64)
-    for t in student_next:
-        a, b, c = stream_drift(student_next[t], expert_next[t])
-        l2, cos, count = l2 + a, cos + b, count + c
-    drift = LayerDrift(index, float(l2 / count), float(cos / count))
+    drift = block_drift(family, index, student_backbone, expert_backbones, student_next, expert_next)
     return BlockResult(updates, reports, moments, student_next, expert_next, drift)
 
 

@@ -8,7 +8,7 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from .calibrate import LayerDrift, enter_streams, stream_drift
+from .calibrate import LayerDrift, block_drift, enter_streams
 from .families import Family
 
 Batches = Mapping[str, list[Mapping[str, Tensor]]]
@@ -26,11 +26,7 @@ def layer_drift(family: Family, experts: Mapping[str, nn.Module], candidate: nn.
     for index in range(len(family.blocks(cand_bb))):
         cand = {t: [family.run_block(cand_bb, index, s) for s in ss] for t, ss in cand.items()}
         exp = {t: [family.run_block(exp_bbs[t], index, s) for s in ss] for t, ss in exp.items()}
-        l2 = cos = count = torch.zeros((), dtype=torch.float64)
-        for t in batches:
-            a, b, c = stream_drift(cand[t], exp[t])
-            l2, cos, count = l2 + a, cos + b, count + c
-        out.append(LayerDrift(index, float(l2 / count), float(cos / count)))
+        out.append(block_drift(family, index, cand_bb, exp_bbs, cand, exp))
     return out
 
 

@@ -1,7 +1,8 @@
 """Model families on tiny random configurations: exact block-by-block replay, and FeatCal on each.
 
 Every model here is built in code from a seeded tiny config (hidden 32, 2 layers): nothing is
-downloaded. Experts are the base plus seeded, structured (low-rank) task vectors, one per task.
+downloaded. Experts are a few seeded fine-tuning steps from the base, each on its own task's
+inputs; the merge is Task Arithmetic (θ0 + 0.3 Σ τ_t), computed here on state dicts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 import transformers as tf
 from torch import Tensor, nn
 
-from featcal.calibrate import FeatCalConfig, calibrate, stream_drift
+from featcal.calibrate import FeatCalConfig, calibrate
+from featcal.evaluate import layer_drift as evaluate_layer_drift
 from featcal.families import FAMILIES, Family, Stream, family_for
 from featcal.families.base import first_output
 
@@ -27,6 +29,15 @@ HIDDEN, LAYERS, HEADS, FFN = 32, 2, 4, 64
 IMAGE, PATCH = 16, 4
 TASKS = ("a", "b", "c")
 MERGE_SCALE = 0.3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine they spin: use one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -56,8 +67,10 @@ def text_batch(seed: int, lengths: list[int], seq_len: int, task: int = 0, paddi
 
 
 def image_batch(seed: int, n: int, task: int = 0) -> dict[str, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"pixel_values": torch.randn(n, 3, IMAGE, IMAGE, generator=g) + 0.5 * task}
+    """Noise images around a fixed per-task template (each task its own input distribution)."""
+    template = torch.randn(3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(1234 + task))
+    noise = torch.randn(n, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(seed))
+    return {"pixel_values": noise + template}
 
 
 # --- the families under test ---------------------------------------------------------------------------
@@ -141,11 +154,11 @@ CASES = {
         full_head=lambda m, b: m(**b).logits,
     ),
     "vit": Case(
-        "vit", seeded(vit), lambda seed, task: image_batch(seed, 3, task),
+        "vit", seeded(vit), lambda seed, task: image_batch(seed, 4, task),
         head=lambda m, f: m.classifier(f), full_head=lambda m, b: m(**b).logits,
     ),
     "clip": Case(
-        "clip", seeded(clip), lambda seed, task: image_batch(seed, 3, task),
+        "clip", seeded(clip), lambda seed, task: image_batch(seed, 4, task),
         head=lambda m, f: m.visual_projection(f), full_head=lambda m, b: m(**b).image_embeds,
     ),
     "llama": Case(
@@ -191,19 +204,26 @@ def last_block_output(family: Family, model: nn.Module, batch: dict[str, Tensor]
     return seen[0]
 
 
-def with_task_vectors(base: nn.Module, family: Family, seed: int, rank: int = 2, scale: float = 0.6) -> nn.Module:
-    """An 'expert': the base plus a seeded low-rank delta on every backbone matrix and noise on the rest."""
-    g = torch.Generator().manual_seed(seed)
-    expert = copy.deepcopy(base)
-    with torch.no_grad():
-        for _name, p in family.backbone(expert).named_parameters():
-            size = p.detach().std().clamp_min(0.02)
-            if p.ndim == 2:
-                u = torch.randn(p.shape[0], rank, generator=g)
-                v = torch.randn(p.shape[1], rank, generator=g)
-                p.add_(scale * size * (u @ v.T) / rank ** 0.5)
-            else:
-                p.add_(0.2 * torch.randn(p.shape, generator=g))
+def fine_tuned_expert(base: nn.Module, case: Case, task: int, steps: int = 10, lr: float = 3e-3) -> nn.Module:
+    """An expert: a few Adam steps from the base on the task's own inputs, towards a random target.
+
+    Each task's inputs come from their own distribution (a slice of the vocabulary, or shifted
+    pixels) and its target is a fixed random output, so task vectors depend on the task's inputs
+    the way real fine-tuning's do. (Independent random weight noise per expert leaves FeatCal
+    little to exploit: the merge is then already close to the least-squares compromise.)
+    """
+    torch.manual_seed(100 + task)
+    expert = copy.deepcopy(base).train()
+    optimiser = torch.optim.Adam(expert.parameters(), lr=lr)
+    target = None
+    for step in range(steps):
+        out = head_output(expert, case.batch(10_000 + 100 * task + step, task))
+        if target is None:
+            target = torch.randn(out.shape, generator=torch.Generator().manual_seed(task))
+        loss = (out - target).pow(2).mean()
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
     return expert.eval()
 
 
@@ -225,23 +245,23 @@ def task_arithmetic(base: nn.Module, experts: dict[str, nn.Module], scale: float
 def layer_drift(family: Family, student: nn.Module, experts: dict[str, nn.Module],
                 batches: dict[str, list[dict]]) -> list[float]:
     """Mean L2 distance, per block output, between the student's and each expert's own stream."""
+    return [d.l2 for d in evaluate_layer_drift(family, experts, student, batches)]
+
+
+@torch.no_grad()
+def head_drift(family: Family, student: nn.Module, experts: dict[str, nn.Module],
+               batches: dict[str, list[dict]]) -> float:
+    """Mean L2 distance between the student's and each expert's head features (what heads read)."""
     student_bb = family.backbone(student)
-    n_blocks = len(family.blocks(student_bb))
-    sums = torch.zeros(n_blocks, dtype=torch.float64)
-    counts = torch.zeros(n_blocks, dtype=torch.float64)
+    total, count = 0.0, 0
     for task, task_batches in batches.items():
         expert_bb = family.backbone(experts[task])
         for batch in task_batches:
-            s, e = family.enter(student_bb, batch), family.enter(expert_bb, batch)
-            for index in range(n_blocks):
-                s = family.run_block(student_bb, index, s)
-                e = family.run_block(expert_bb, index, e)
-                hs, mask = family.block_output(student_bb, index, s)
-                he, _ = family.block_output(expert_bb, index, e)
-                l2, _cos, count = stream_drift([Stream(hs, mask)], [Stream(he, mask)])
-                sums[index] += l2
-                counts[index] += count
-    return (sums / counts).tolist()
+            s = family.head_features(student_bb, replay(family, student_bb, batch))
+            e = family.head_features(expert_bb, replay(family, expert_bb, batch))
+            total += float((s - e).norm(dim=-1).sum())
+            count += s.shape[0]
+    return total / count
 
 
 def with_backbone(model: nn.Module, family: Family, backbone: nn.Module) -> nn.Module:
@@ -251,10 +271,15 @@ def with_backbone(model: nn.Module, family: Family, backbone: nn.Module) -> nn.M
     return full.eval()
 
 
+def head_output(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """The model's task output (logits, or CLIP's image embedding)."""
+    out = model(**batch)
+    return out.image_embeds if hasattr(out, "image_embeds") else out.logits
+
+
 def outputs(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     with torch.no_grad():
-        out = model(**batch)
-    return out.image_embeds if hasattr(out, "image_embeds") else out.logits
+        return head_output(model, batch)
 
 
 # --- 1. block-by-block replay reproduces the full forward ---------------------------------------------
@@ -292,6 +317,7 @@ def test_t5_replay_hands_the_encoder_output_to_the_decoder() -> None:
     torch.testing.assert_close(hidden, encoder_output, atol=1e-6, rtol=0)
     assert torch.equal(mask, batch["attention_mask"].bool())
     # decoder block 0 cross-attends to exactly that encoder output; its k/v rows are encoder tokens
+    assert stream.args[2] is stream.extras["encoder_output"]  # encoder_hidden_states
     assert stream.hidden.shape[1] == batch["input_ids"].shape[1]
     assert family.row_mask("layer.1.EncDecAttention.k", stream) is stream.extras["encoder_mask"]
     assert family.row_mask("layer.1.EncDecAttention.q", stream) is stream.mask
@@ -325,7 +351,7 @@ def test_unknown_architecture_is_refused_with_the_supported_list() -> None:
 def test_featcal_lowers_feature_drift_and_round_trips(case: Case, tmp_path) -> None:
     base = case.build()
     family = family_for(base)
-    experts = {t: with_task_vectors(base, family, seed=100 + i) for i, t in enumerate(TASKS)}
+    experts = {t: fine_tuned_expert(base, case, i) for i, t in enumerate(TASKS)}
     merged = task_arithmetic(base, experts)
     batches = {t: [case.batch(1000 * i + j, i) for j in range(2)] for i, t in enumerate(TASKS)}
 
@@ -334,22 +360,27 @@ def test_featcal_lowers_feature_drift_and_round_trips(case: Case, tmp_path) -> N
     calibrated = with_backbone(merged, family, result.backbone)
     after = layer_drift(family, calibrated, experts, batches)
 
-    assert len(after) == len(family.blocks(result.backbone))
+    # every block's output (all real tokens) moves towards the experts' ...
+    assert len(after) == len(before) == len(family.blocks(result.backbone))
     for index, (b, a) in enumerate(zip(before, after)):
         assert a < b, f"{case.name} block {index}: drift {a:.4g} after calibration, {b:.4g} before"
-    # the driver's own per-layer drift agrees with this independent replay (T5: see below)
-    n_encoder = len(family.backbone(merged).encoder.block) if case.name == "t5" else None
+    # ... and so does what the head reads
+    assert head_drift(family, calibrated, experts, batches) < head_drift(family, merged, experts, batches)
+
+    # the driver's own per-layer drift agrees with this independent replay, except T5's last
+    # encoder block: the driver compares the streams run_block returns, i.e. the decoder's input
+    # embeddings there, where `family.block_output` gives the encoder output
+    skip = len(family.backbone(merged).encoder.block) - 1 if case.name == "t5" else None
     for d in result.drift:
-        if d.layer == (n_encoder or 0) - 1:
-            continue  # the driver measures the stream *entering* the decoder there, not the encoder output
-        assert d.l2 == pytest.approx(after[d.layer], rel=1e-5)
+        if d.layer != skip:
+            assert d.l2 == pytest.approx(after[d.layer], rel=1e-5)
 
     # the calibrated model round-trips through save_pretrained / from_pretrained (safetensors)
     calibrated.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").exists()
     reloaded = type(calibrated).from_pretrained(tmp_path).eval()
-    held_out = case.batch(77, 1)
-    assert torch.equal(outputs(reloaded, held_out), outputs(calibrated, held_out))
+    batch = case.batch(77, 1)
+    assert torch.equal(outputs(reloaded, batch), outputs(calibrated, batch))
     reloaded_bb = family.backbone(reloaded).state_dict()
     for key, value in result.backbone.state_dict().items():
         assert torch.equal(reloaded_bb[key], value), key
@@ -368,5 +399,5 @@ def test_identical_experts_leave_the_merged_model_unchanged(case: Case) -> None:
     result = calibrate(merged, base, experts, batches, FeatCalConfig(), progress=False)
     before = dict(family.backbone(merged).named_parameters())
     for name, value in result.backbone.named_parameters():
-        scale = before[name].detach().abs().max().clamp_min(1e-12)
-        assert (value.detach() - before[name].detach()).abs().max() / scale <= 1e-6, name
+        scale = float(before[name].detach().abs().max())
+        torch.testing.assert_close(value.detach(), before[name].detach(), rtol=0, atol=1e-6 * scale + 1e-12)

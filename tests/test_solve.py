@@ -158,3 +158,12 @@ def test_singular_system_falls_back_and_is_reported(caplog):
     assert report.method == "eigh-pinv" and report.ill_conditioned
     assert torch.isfinite(w).all()
     assert "not positive definite" in caplog.text
+
+
+def test_condition_estimate_tracks_the_true_condition_number():
+    g = torch.Generator().manual_seed(7)
+    q, _ = torch.linalg.qr(torch.randn(40, 40, generator=g))
+    eigenvalues = torch.logspace(-6, 2, 40)
+    a = q @ torch.diag(eigenvalues) @ q.T
+    estimate = solve.condition_estimate(a, torch.linalg.cholesky(a), iterations=200)
+    assert 0.5 * 1e8 < estimate <= 1e8 * (1 + 1e-6)
