@@ -25,6 +25,7 @@ $(STAMP): requirements.txt requirements.lock pyproject.toml
 	touch $(STAMP)
 
 test: setup
+	bash tests/system_deps.sh
 	$(PY) -m pytest -q tests
 
 repro: setup
