@@ -23,6 +23,28 @@ def plot_drift(rows: list[dict], path: str | os.PathLike) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_lines(rows: list[dict], x: str, ys: list[str], path: str | os.PathLike, ylabel: str,
+               log_x: bool = False, hlines: dict[str, float] | None = None) -> None:
+    """One line per key in `ys` over `x`, with optional horizontal reference lines."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for y in ys:
+        ax.plot([r[x] for r in rows], [r[y] for r in rows], "o-", label=y)
+    for i, (label, value) in enumerate((hlines or {}).items()):
+        ax.axhline(value, linestyle="--", color=f"C{len(ys) + i}", label=label)
+    if log_x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(x.replace("_", " "))
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig, path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
     fig.savefig(tmp, dpi=120)

@@ -20,9 +20,15 @@ def stages_skipped(output: str) -> set[str]:
     return set(re.findall(r"Stage '([^']+)' didn't change, skipping", output))
 
 
-def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(tmp_path):
-    project = make_project(tmp_path)
-    first = run([sys.executable, "-m", "dvc", "repro"], project)
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The tiny project after its first full `dvc repro` (and the output of that run)."""
+    project = make_project(tmp_path_factory.mktemp("pipeline"))
+    return project, run([sys.executable, "-m", "dvc", "repro"], project)
+
+
+def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(project):
+    project, first = project
     expected = {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features",
                 "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}
     assert stages_run(first) == expected, first
@@ -43,5 +49,23 @@ def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(tmp_pa
     assert {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features"} <= stages_skipped(second)
     assert (project / "calib/layers/L01.safetensors").read_bytes() != before
 
-    status = run([sys.executable, "-m", "dvc", "status"], project)
+    status = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
     assert "up to date" in status.lower(), status
+
+
+def test_compare_stages_write_their_results_outside_the_default_run(project):
+    project, first = project
+    assert not (project / "results/compare.json").exists()
+    out = run([sys.executable, "-m", "dvc", "repro", "compare/dvc.yaml"], project)
+    assert stages_run(out) == {f"compare/dvc.yaml:{s}" for s in ("compare", "sample-efficiency", "corruption")}, out
+    compare = json.loads((project / "results/compare.json").read_text())
+    assert set(compare["anchors"]) == {"average", "task_arithmetic", "ties"}
+    for anchor in compare["anchors"].values():
+        assert set(anchor) >= {"merged", "featcal", "surgery", "probsurgery"}
+        assert anchor["featcal"]["cost"]["wall_s"] > 0 and anchor["surgery"]["cost"]["peak_rss_mib"] > 0
+        assert set(anchor["featcal"]["scores"]) >= {"avg", "gap_closed", "sentiment", "topic"}
+    curve = json.loads((project / "results/sample_efficiency.json").read_text())
+    assert [row["examples_per_task"] for row in curve] == [4, 16]
+    corruption = json.loads((project / "results/corruption.json").read_text())
+    assert set(corruption["corrupted"]) == {"typos", "word_dropout", "word_shuffle"}
+    assert (project / "results/plots/sample_efficiency.png").stat().st_size > 0

@@ -52,6 +52,8 @@ def tiny_params(base: Path, tasks: dict) -> dict:
     params["finetune"] = {"learning_rate": 1e-3, "epochs": 2, "batch_size": 16, "overrides": {}}
     params["calibration"] = {"examples_per_task": 24, "batch_size": 8}
     params["evaluate"] = {"drift_examples_per_task": 16}
+    params["compare"].update({"examples_per_task": 16, "sample_sizes": [4, 16], "surgery": {"iterations": 20},
+                              "probsurgery": {"iterations": 20}})
     return params
 
 
@@ -69,7 +71,8 @@ def make_project(root: Path) -> Path:
     project.mkdir()
     for name in ("dvc.yaml",):
         shutil.copy(ROOT / name, project / name)
-    shutil.copytree(ROOT / "stages", project / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("stages", "compare"):
+        shutil.copytree(ROOT / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "featcal", project / "featcal", ignore=shutil.ignore_patterns("__pycache__"))
     make_base(root / "base")
     params = tiny_params(root / "base", make_tasks(root / "raw"))

@@ -1,0 +1,132 @@
+"""FeatCal against the post-merge baselines, on the same calibration examples, scored on test.
+
+A `Workbench` holds what every comparison shares (base, experts with their heads, tokenizer, task
+splits). Each method reads exactly the calibration batches it is given (train split, labels
+unused); the scores read the test split once per model.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from . import merge_models
+from .baselines import (
+    ProbSurgeryConfig, SurgeryClassifier, SurgeryConfig, representations, train_probsurgery, train_surgery,
+)
+from .calibrate import FeatCalConfig, calibrate
+from .corrupt import corrupt_texts
+from .data import Batches, TaskSplit, calibration_subset, fixed_width, read_split, tokenize_batches
+from .modeling import load_backbone, load_classifier, load_tokenizer, with_backbone
+from .profiling import Measurement, measure
+from .train import accuracy
+
+CALIBRATION_SPLIT = "train"
+
+
+@dataclass
+class Workbench:
+    base: nn.Module
+    experts: dict[str, nn.Module]
+    tokenizer: object
+    tasks_dir: str
+    lengths: dict[str, int]
+    seed: int = 0
+    batch_size: int = 16
+    _test: dict[str, TaskSplit] = field(default_factory=dict)
+
+    @property
+    def tasks(self) -> list[str]:
+        return list(self.experts)
+
+    def test(self, task: str) -> TaskSplit:
+        if task not in self._test:
+            self._test[task] = read_split(self.tasks_dir, task, "test")
+        return self._test[task]
+
+
+def load_workbench(base_ref: str, expert_dirs: Mapping[str, str], tasks_dir: str, lengths: Mapping[str, int],
+                   seed: int = 0, batch_size: int = 16) -> Workbench:
+    experts = {t: load_classifier(d) for t, d in expert_dirs.items()}
+    return Workbench(load_backbone(base_ref), experts, load_tokenizer(base_ref), tasks_dir, dict(lengths), seed, batch_size)
+
+
+def calibration_texts(bench: Workbench, n: int, corruption: tuple[str, float] | None = None) -> dict[str, list[str]]:
+    """n train examples per task (seeded), optionally corrupted; labels are dropped here."""
+    out = {}
+    for task in bench.tasks:
+        texts = calibration_subset(read_split(bench.tasks_dir, task, CALIBRATION_SPLIT), n, bench.seed).texts
+        if corruption is not None:
+            texts = corrupt_texts(texts, corruption[0], corruption[1], bench.seed)
+        out[task] = texts
+    return out
+
+
+def to_batches(bench: Workbench, texts: Mapping[str, list[str]]) -> Batches:
+    return {
+        t: tokenize_batches(bench.tokenizer, x, bench.lengths[t], bench.batch_size,
+                            pad_to=fixed_width(bench.tokenizer, x, bench.lengths[t]))
+        for t, x in texts.items()
+    }
+
+
+def merge(bench: Workbench, method: str, options: Mapping | None = None) -> nn.Module:
+    return merge_models(bench.base, bench.experts, method, options)
+
+
+@torch.no_grad()
+def score_backbone(bench: Workbench, backbone: nn.Module) -> dict[str, float]:
+    """Test accuracy per task: the backbone under each task's own head."""
+    out = {}
+    for task, expert in bench.experts.items():
+        model = with_backbone(_fresh_copy(expert), backbone.state_dict())
+        out[task] = accuracy(model, bench.tokenizer, bench.test(task), bench.lengths[task])
+    return out
+
+
+@torch.no_grad()
+def score_surgery(bench: Workbench, backbone: nn.Module, modules: Mapping[str, nn.Module]) -> dict[str, float]:
+    """Test accuracy of the deployed form: merged backbone + per-task module + head."""
+    out = {}
+    for task, expert in bench.experts.items():
+        model = SurgeryClassifier(with_backbone(_fresh_copy(expert), backbone.state_dict()), modules[task]).eval()
+        out[task] = accuracy(model, bench.tokenizer, bench.test(task), bench.lengths[task])
+    return out
+
+
+def score_experts(bench: Workbench) -> dict[str, float]:
+    return {t: accuracy(m, bench.tokenizer, bench.test(t), bench.lengths[t]) for t, m in bench.experts.items()}
+
+
+def run_featcal(bench: Workbench, merged: nn.Module, batches: Batches, config: FeatCalConfig) -> tuple[nn.Module, Measurement]:
+    with measure() as cost:
+        result = calibrate(merged, bench.base, bench.experts, batches, config, progress=False)
+    return result.backbone, cost
+
+
+def run_surgery(bench: Workbench, merged: nn.Module, batches: Batches, kind: str,
+                config: SurgeryConfig | ProbSurgeryConfig | None = None) -> tuple[dict[str, nn.Module], Measurement, Measurement]:
+    """Train Surgery or ProbSurgery; returns the modules, the whole cost (features + training)
+    and the training-only cost (features cached)."""
+    trainer = {"surgery": train_surgery, "probsurgery": train_probsurgery}[kind]
+    with measure() as total:
+        merged_feats = {t: representations(merged, b) for t, b in batches.items()}
+        expert_feats = {t: representations(bench.experts[t], b) for t, b in batches.items()}
+        with measure() as training:
+            modules = trainer(merged_feats, expert_feats, config, split=CALIBRATION_SPLIT)
+    return modules, total, training
+
+
+def summarise(scores: Mapping[str, float], experts_avg: float, merged_avg: float) -> dict:
+    avg = sum(scores.values()) / len(scores)
+    gap = experts_avg - merged_avg
+    return {"avg": round(avg, 4), "gap_closed": round((avg - merged_avg) / gap, 4) if abs(gap) > 1e-12 else None,
+            **{t: round(v, 4) for t, v in scores.items()}}
+
+
+def _fresh_copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model).eval()

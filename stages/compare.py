@@ -1,0 +1,101 @@
+"""Stages `compare`, `sample-efficiency`, `corruption` (compare/dvc.yaml, outside the default run).
+
+compare:            per anchor merge — merge alone, + Surgery, + ProbSurgery, + FeatCal.
+sample-efficiency:  the three calibrations at several calibration-set sizes (Task Arithmetic anchor).
+corruption:         the three calibrations on corrupted calibration texts, scored on clean test data.
+All methods read the same train-split calibration examples; everything is scored on test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+from common import enabled_tasks, get, load_params, max_length, setup_logging
+from tqdm.auto import tqdm
+
+from featcal import compare as cmp
+from featcal.baselines import ProbSurgeryConfig, SurgeryConfig
+from featcal.calibrate import FeatCalConfig
+from featcal.modeling import write_json
+from featcal.plots import plot_lines
+
+
+def methods(bench, merged, batches, settings, featcal_config):
+    """Scores and costs of FeatCal, Surgery and ProbSurgery on one merged backbone."""
+    rows = {}
+    calibrated, cost = cmp.run_featcal(bench, merged, batches, featcal_config)
+    rows["featcal"] = {"scores": cmp.score_backbone(bench, calibrated), "cost": cost.as_dict()}
+    del calibrated
+    for kind, config in (("surgery", SurgeryConfig(progress=False, **settings.get("surgery", {}))),
+                         ("probsurgery", ProbSurgeryConfig(progress=False, **settings.get("probsurgery", {})))):
+        modules, total, training = cmp.run_surgery(bench, merged, batches, kind, config)
+        rows[kind] = {"scores": cmp.score_surgery(bench, merged, modules), "cost": total.as_dict(),
+                      "training_only_cost": training.as_dict()}
+    gc.collect()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["compare", "sample-efficiency", "corruption"])
+    what = parser.parse_args().what
+    setup_logging()
+    params = load_params()
+    tasks = enabled_tasks(params)
+    settings = get(params, "compare")
+    bench = cmp.load_workbench(get(params, "model.base"), {t: f"experts/{t}" for t in tasks}, get(params, "tasks_dir"),
+                               {t: max_length(params, t) for t in tasks}, int(get(params, "seed")),
+                               int(get(params, "calibration.batch_size")))
+    featcal_config = FeatCalConfig.from_mapping(get(params, "featcal"))
+    experts = cmp.score_experts(bench)
+    experts_avg = sum(experts.values()) / len(experts)
+    n = int(settings["examples_per_task"])
+
+    def summarise(rows, merged_avg):
+        return {m: {**r, "scores": cmp.summarise(r["scores"], experts_avg, merged_avg)} for m, r in rows.items()}
+
+    if what == "compare":
+        batches = cmp.to_batches(bench, cmp.calibration_texts(bench, n))
+        out = {"experts": cmp.summarise(experts, experts_avg, experts_avg), "examples_per_task": n, "anchors": {}}
+        for anchor, options in tqdm(settings["anchors"].items(), desc="anchors", unit="merge"):
+            merged = cmp.merge(bench, anchor, options)
+            merged_scores = cmp.score_backbone(bench, merged)
+            merged_avg = sum(merged_scores.values()) / len(merged_scores)
+            out["anchors"][anchor] = {"options": options, "merged": cmp.summarise(merged_scores, experts_avg, merged_avg),
+                                      **summarise(methods(bench, merged, batches, settings, featcal_config), merged_avg)}
+        write_json("results/compare.json", out)
+        return
+
+    anchor, options = "task_arithmetic", settings["anchors"]["task_arithmetic"]
+    merged = cmp.merge(bench, anchor, options)
+    merged_scores = cmp.score_backbone(bench, merged)
+    merged_avg = sum(merged_scores.values()) / len(merged_scores)
+    base = {"anchor": anchor, "experts_avg": round(experts_avg, 4), "merged_avg": round(merged_avg, 4)}
+    if what == "sample-efficiency":
+        out, curve = {**base, "sizes": {}}, []
+        for size in tqdm(settings["sample_sizes"], desc="sizes", unit="size"):
+            texts = cmp.calibration_texts(bench, int(size))
+            short = {t: len(x) for t, x in texts.items() if len(x) < int(size)}
+            rows = summarise(methods(bench, merged, cmp.to_batches(bench, texts), settings, featcal_config), merged_avg)
+            out["sizes"][str(size)] = {"fewer_examples": short, **rows}
+            curve.append({"examples_per_task": int(size), **{m: r["scores"]["avg"] for m, r in rows.items()}})
+        write_json("results/sample_efficiency.json", curve)
+        write_json("results/sample_efficiency_detail.json", out)
+        plot_lines(curve, "examples_per_task", ["featcal", "surgery", "probsurgery"],
+                   "results/plots/sample_efficiency.png", "average test accuracy", log_x=True,
+                   hlines={"experts": experts_avg, f"merge ({anchor})": merged_avg})
+        return
+
+    rate = float(settings["corruption_rate"])
+    out = {**base, "rate": rate, "examples_per_task": n, "clean": {}, "corrupted": {}}
+    out["clean"] = summarise(methods(bench, merged, cmp.to_batches(bench, cmp.calibration_texts(bench, n)),
+                                     settings, featcal_config), merged_avg)
+    for kind in tqdm(settings["corruptions"], desc="corruptions", unit="kind"):
+        batches = cmp.to_batches(bench, cmp.calibration_texts(bench, n, (kind, rate)))
+        out["corrupted"][kind] = summarise(methods(bench, merged, batches, settings, featcal_config), merged_avg)
+    write_json("results/corruption.json", out)
+
+
+if __name__ == "__main__":
+    main()
