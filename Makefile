@@ -32,5 +32,9 @@ repro: setup
 	$(PY) stages/gen_chain.py
 	.venv/bin/dvc repro
 
+# Benchmarks (not tests): side-by-side measurements on the demo; needs `make repro` first.
+bench: setup
+	$(PY) bench/calibration_cost.py
+
 clean:
 	rm -rf .venv

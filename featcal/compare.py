@@ -37,16 +37,16 @@ class Workbench:
     lengths: dict[str, int]
     seed: int = 0
     batch_size: int = 16
-    _test: dict[str, TaskSplit] = field(default_factory=dict)
+    _splits: dict[tuple[str, str], TaskSplit] = field(default_factory=dict)
 
     @property
     def tasks(self) -> list[str]:
         return list(self.experts)
 
-    def test(self, task: str) -> TaskSplit:
-        if task not in self._test:
-            self._test[task] = read_split(self.tasks_dir, task, "test")
-        return self._test[task]
+    def split(self, task: str, split: str = "test") -> TaskSplit:
+        if (task, split) not in self._splits:
+            self._splits[task, split] = read_split(self.tasks_dir, task, split)
+        return self._splits[task, split]
 
 
 def load_workbench(base_ref: str, expert_dirs: Mapping[str, str], tasks_dir: str, lengths: Mapping[str, int],
@@ -79,12 +79,12 @@ def merge(bench: Workbench, method: str, options: Mapping | None = None) -> nn.M
 
 
 @torch.no_grad()
-def score_backbone(bench: Workbench, backbone: nn.Module) -> dict[str, float]:
-    """Test accuracy per task: the backbone under each task's own head."""
+def score_backbone(bench: Workbench, backbone: nn.Module, split: str = "test") -> dict[str, float]:
+    """Accuracy per task on `split`: the backbone under each task's own head."""
     out = {}
     for task, expert in bench.experts.items():
         model = with_backbone(_fresh_copy(expert), backbone.state_dict())
-        out[task] = accuracy(model, bench.tokenizer, bench.test(task), bench.lengths[task])
+        out[task] = accuracy(model, bench.tokenizer, bench.split(task, split), bench.lengths[task])
     return out
 
 
@@ -94,12 +94,12 @@ def score_surgery(bench: Workbench, backbone: nn.Module, modules: Mapping[str, n
     out = {}
     for task, expert in bench.experts.items():
         model = SurgeryClassifier(with_backbone(_fresh_copy(expert), backbone.state_dict()), modules[task]).eval()
-        out[task] = accuracy(model, bench.tokenizer, bench.test(task), bench.lengths[task])
+        out[task] = accuracy(model, bench.tokenizer, bench.split(task), bench.lengths[task])
     return out
 
 
-def score_experts(bench: Workbench) -> dict[str, float]:
-    return {t: accuracy(m, bench.tokenizer, bench.test(t), bench.lengths[t]) for t, m in bench.experts.items()}
+def score_experts(bench: Workbench, split: str = "test") -> dict[str, float]:
+    return {t: accuracy(m, bench.tokenizer, bench.split(t, split), bench.lengths[t]) for t, m in bench.experts.items()}
 
 
 def run_featcal(bench: Workbench, merged: nn.Module, batches: Batches, config: FeatCalConfig) -> tuple[nn.Module, Measurement]:

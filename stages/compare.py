@@ -18,7 +18,9 @@ from featcal import compare as cmp
 from featcal.baselines import ProbSurgeryConfig, SurgeryConfig
 from featcal.calibrate import FeatCalConfig
 from featcal.modeling import write_json
+from featcal.merging.sigmerge import plot_admitted
 from featcal.plots import plot_lines
+from featcal.signatures import run_sigmerge
 
 
 def methods(bench, merged, batches, settings, featcal_config):
@@ -36,9 +38,47 @@ def methods(bench, merged, batches, settings, featcal_config):
     return rows
 
 
+def residual_gap(scores, experts) -> float:
+    """Mean over tasks of expert accuracy − model accuracy (points)."""
+    return round(100 * sum(experts[t] - scores[t] for t in experts) / len(experts), 2)
+
+
+def sigmerge_table(bench, settings, featcal_config, experts, n):
+    """Per anchor: anchor, SigMerge(anchor) with (c_min, c_max) chosen on dev, and each + FeatCal."""
+    sig = settings["sigmerge"]
+    batches = cmp.to_batches(bench, cmp.calibration_texts(bench, n))
+    out = {"experts_avg": round(sum(experts.values()) / len(experts), 4), "anchors": {}}
+    for anchor in sig["anchors"]:
+        anchor_options = settings["anchors"][anchor]
+        candidates = []
+        for c_min, c_max in tqdm(sig["grid"], desc=f"sigmerge({anchor}) grid", unit="setting"):
+            merged, record = run_sigmerge(bench, {"anchor": anchor, "anchor_options": anchor_options,
+                                                  "c_min": c_min, "c_max": c_max}, int(sig["shared_examples_per_task"]))
+            dev = cmp.score_backbone(bench, merged, split="dev")
+            candidates.append((sum(dev.values()) / len(dev), c_min, c_max, merged, record))
+        dev_avg, c_min, c_max, sig_merged, record = max(candidates, key=lambda c: c[0])
+        models = {"anchor": cmp.merge(bench, anchor, anchor_options), "sigmerge": sig_merged}
+        rows = {}
+        for label, backbone in list(models.items()):
+            calibrated, cost = cmp.run_featcal(bench, backbone, batches, featcal_config)
+            for name, model in ((label, backbone), (f"{label}+featcal", calibrated)):
+                scores = cmp.score_backbone(bench, model)
+                rows[name] = {"avg": round(sum(scores.values()) / len(scores), 4),
+                              "residual_gap_points": residual_gap(scores, experts), "scores": scores}
+            rows[f"{label}+featcal"]["featcal_wall_s"] = round(cost.wall_s, 2)
+        out["anchors"][anchor] = {
+            "chosen_on_dev": {"c_min": c_min, "c_max": c_max, "dev_avg": round(dev_avg, 4),
+                              "grid": [{"c_min": c[1], "c_max": c[2], "dev_avg": round(c[0], 4)} for c in candidates]},
+            "sigmerge_wall_s_over_anchor": record["wall_s"], "admitted_total": record["total_admitted"],
+            "coords_total": record["total_coords"], **rows,
+        }
+        plot_admitted(record, f"results/plots/sigmerge/{anchor}.png")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["compare", "sample-efficiency", "corruption"])
+    parser.add_argument("what", choices=["compare", "sample-efficiency", "corruption", "sigmerge"])
     what = parser.parse_args().what
     setup_logging()
     params = load_params()
@@ -54,6 +94,10 @@ def main() -> None:
 
     def summarise(rows, merged_avg):
         return {m: {**r, "scores": cmp.summarise(r["scores"], experts_avg, merged_avg)} for m, r in rows.items()}
+
+    if what == "sigmerge":
+        write_json("results/sigmerge.json", sigmerge_table(bench, settings, featcal_config, experts, n))
+        return
 
     if what == "compare":
         batches = cmp.to_batches(bench, cmp.calibration_texts(bench, n))

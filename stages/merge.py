@@ -1,11 +1,23 @@
-"""DVC stage `merge`: base + experts -> merged backbone (method and options from params.yaml)."""
+"""DVC stage `merge`: base + experts -> merged backbone (method and options from params.yaml).
+
+`merge.method: sigmerge` repairs an anchor merge with data (dev scores, shared train examples);
+its record (signals, capacities, deficits, admitted counts) goes to results/merge/.
+"""
 
 from __future__ import annotations
 
-from common import enabled_tasks, get, load_params, setup_logging, timed
+import shutil
+from pathlib import Path
+
+from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
 
 from featcal import merge_models
-from featcal.modeling import load_backbone, load_classifier, load_tokenizer, save_multitask
+from featcal.compare import load_workbench
+from featcal.merging.sigmerge import plot_admitted
+from featcal.modeling import load_backbone, load_classifier, load_tokenizer, save_multitask, write_json
+from featcal.signatures import run_sigmerge
+
+RECORD_DIR = Path("results/merge")
 
 
 def main() -> None:
@@ -13,11 +25,23 @@ def main() -> None:
     params = load_params()
     tasks = enabled_tasks(params)
     method = get(params, "merge.method")
+    options = dict(get(params, "merge.options", {}) or {})
+    base_ref = get(params, "model.base")
+    shutil.rmtree(RECORD_DIR, ignore_errors=True)
     with timed("merge"):
-        experts = {t: load_classifier(f"experts/{t}") for t in tasks}
-        merged = merge_models(load_backbone(get(params, "model.base")), experts, method,
-                              get(params, "merge.options", {}) or {})
-        save_multitask("models/merged", merged, experts, load_tokenizer(get(params, "model.base")))
+        if method == "sigmerge":
+            shared = int(options.pop("shared_examples_per_task", 16))
+            bench = load_workbench(base_ref, {t: f"experts/{t}" for t in tasks}, get(params, "tasks_dir"),
+                                   {t: max_length(params, t) for t in tasks}, int(get(params, "seed")))
+            merged, record = run_sigmerge(bench, options, shared)
+            experts = bench.experts
+            plot_admitted(record, RECORD_DIR / "admitted.png")
+        else:
+            experts = {t: load_classifier(f"experts/{t}") for t in tasks}
+            merged = merge_models(load_backbone(base_ref), experts, method, options)
+            record = {"method": method, "options": options}
+        save_multitask("models/merged", merged, experts, load_tokenizer(base_ref))
+        write_json(RECORD_DIR / "record.json", record)
     print(f"merged {len(tasks)} experts with {method} -> models/merged")
 
 

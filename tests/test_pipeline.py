@@ -57,7 +57,7 @@ def test_compare_stages_write_their_results_outside_the_default_run(project):
     project, first = project
     assert not (project / "results/compare.json").exists()
     out = run([sys.executable, "-m", "dvc", "repro", "compare/dvc.yaml"], project)
-    assert stages_run(out) == {f"compare/dvc.yaml:{s}" for s in ("compare", "sample-efficiency", "corruption")}, out
+    assert stages_run(out) == {f"compare/dvc.yaml:{s}" for s in ("compare", "sample-efficiency", "corruption", "sigmerge")}, out
     compare = json.loads((project / "results/compare.json").read_text())
     assert set(compare["anchors"]) == {"average", "task_arithmetic", "ties"}
     for anchor in compare["anchors"].values():
@@ -69,3 +69,23 @@ def test_compare_stages_write_their_results_outside_the_default_run(project):
     corruption = json.loads((project / "results/corruption.json").read_text())
     assert set(corruption["corrupted"]) == {"typos", "word_dropout", "word_shuffle"}
     assert (project / "results/plots/sample_efficiency.png").stat().st_size > 0
+    table = json.loads((project / "results/sigmerge.json").read_text())
+    for anchor in ("task_arithmetic", "ties"):
+        rows = table["anchors"][anchor]
+        assert {"anchor", "sigmerge", "anchor+featcal", "sigmerge+featcal"} <= set(rows)
+        assert rows["chosen_on_dev"]["c_max"] in (0.05, 0.3)
+        assert (project / f"results/plots/sigmerge/{anchor}.png").exists()
+
+
+def test_sigmerge_as_the_pipeline_merge_feeds_the_calibration_chain(project):
+    project, _ = project
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["merge"] = {"method": "sigmerge", "options": {"anchor": "task_arithmetic", "anchor_options": {"scale": 0.3},
+                                                         "c_min": 0.02, "c_max": 0.2, "shared_examples_per_task": 4}}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = run([sys.executable, "-m", "dvc", "repro"], project)
+    assert {"merge", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"} <= stages_run(out), out
+    assert "collect-expert-features" not in stages_run(out)
+    record = json.loads((project / "results/merge/record.json").read_text())
+    assert set(record["domains"]) == {"sentiment", "topic"} and len(record["blocks"]) == 2
+    assert (project / "results/merge/admitted.png").stat().st_size > 0

@@ -54,6 +54,7 @@ def tiny_params(base: Path, tasks: dict) -> dict:
     params["evaluate"] = {"drift_examples_per_task": 16}
     params["compare"].update({"examples_per_task": 16, "sample_sizes": [4, 16], "surgery": {"iterations": 20},
                               "probsurgery": {"iterations": 20}})
+    params["compare"]["sigmerge"].update({"grid": [[0.01, 0.05], [0.05, 0.3]], "shared_examples_per_task": 4})
     return params
 
 
