@@ -211,6 +211,35 @@ def _build(tasks: Sequence[str], seed: int, make) -> dict[str, nn.Module]:
         return {t: make() for t in tasks}
 
 
+def _train(name, merged_feats, expert_feats, config, split, make, task_loss) -> dict[str, nn.Module]:
+    """The loop both baselines share: one module per task, one Adam step per iteration on the sum
+    of the tasks' losses. `task_loss(module, f_m, f_t, generator)` returns (loss, l1)."""
+    d, tasks, m, e = _prepare(merged_feats, expert_feats, split)
+    modules = _build(tasks, config.seed, lambda: make(d))
+    for t in tasks:
+        modules[t].to(m[t].device).train()
+    params = [p for mod in modules.values() for p in mod.parameters()]
+    opt = torch.optim.Adam(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+    g = torch.Generator().manual_seed(config.seed)
+    samplers = {t: _Sampler(m[t].shape[0], config.batch_size, g) for t in tasks}
+    bar = tqdm(range(config.iterations), desc=name, unit="step", disable=not config.progress)
+    for step in bar:
+        loss = m[tasks[0]].new_zeros(())
+        l1_sum, n_terms = m[tasks[0]].new_zeros(()), 0
+        for t in tasks:
+            for _ in range(getattr(config, "batches_per_iteration", 1)):
+                idx = samplers[t].next().to(m[t].device)
+                term, l1 = task_loss(modules[t], m[t][idx], e[t][idx], g)
+                loss, l1_sum, n_terms = loss + term, l1_sum + l1.detach(), n_terms + 1
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if config.progress and (step % 25 == 0 or step == config.iterations - 1):
+            bar.set_postfix(l1=f"{l1_sum.item() / n_terms:.4f}")
+    bar.close()
+    return {t: mod.eval() for t, mod in modules.items()}
+
+
 def train_surgery(
     merged_feats: Mapping[str, Tensor],
     expert_feats: Mapping[str, Tensor],
@@ -226,28 +255,13 @@ def train_surgery(
     sum over tasks and batches of mean L1(f̂_t, f_t); one Adam step per iteration.
     """
     config = config or SurgeryConfig()
-    d, tasks, m, e = _prepare(merged_feats, expert_feats, split)
-    modules = _build(tasks, config.seed, lambda: SurgeryModule(d, config.rank))
-    for t in tasks:
-        modules[t].to(m[t].device).train()
-    params = [p for mod in modules.values() for p in mod.parameters()]
-    opt = torch.optim.Adam(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
-    g = torch.Generator().manual_seed(config.seed)
-    samplers = {t: _Sampler(m[t].shape[0], config.batch_size, g) for t in tasks}
-    bar = tqdm(range(config.iterations), desc="surgery", unit="step", disable=not config.progress)
-    for step in bar:
-        loss = m[tasks[0]].new_zeros(())
-        for t in tasks:
-            for _ in range(config.batches_per_iteration):
-                idx = samplers[t].next().to(m[t].device)
-                loss = loss + F.l1_loss(modules[t](m[t][idx]), e[t][idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if config.progress and (step % 25 == 0 or step == config.iterations - 1):
-            bar.set_postfix(l1=f"{loss.item() / (len(tasks) * config.batches_per_iteration):.4f}")
-    bar.close()
-    return {t: mod.eval() for t, mod in modules.items()}
+
+    def task_loss(module, f_m, f_t, _generator):
+        l1 = F.l1_loss(module(f_m), f_t)
+        return l1, l1
+
+    return _train("surgery", merged_feats, expert_feats, config, split,
+                  lambda d: SurgeryModule(d, config.rank), task_loss)
 
 
 def train_probsurgery(
@@ -265,31 +279,14 @@ def train_probsurgery(
     (inference removes μ only).
     """
     config = config or ProbSurgeryConfig()
-    d, tasks, m, e = _prepare(merged_feats, expert_feats, split)
-    modules = _build(tasks, config.seed, lambda: ProbSurgeryModule(d, config.hidden))
-    for t in tasks:
-        modules[t].to(m[t].device).train()
-    params = [p for mod in modules.values() for p in mod.parameters()]
-    opt = torch.optim.Adam(params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
-    g = torch.Generator().manual_seed(config.seed)
-    samplers = {t: _Sampler(m[t].shape[0], config.batch_size, g) for t in tasks}
-    bar = tqdm(range(config.iterations), desc="probsurgery", unit="step", disable=not config.progress)
-    for step in bar:
-        loss = m[tasks[0]].new_zeros(())
-        l1_sum = m[tasks[0]].new_zeros(())
-        for t in tasks:
-            idx = samplers[t].next().to(m[t].device)
-            f_hat, mu, logvar = modules[t].forward_with_stats(m[t][idx], sample=True, generator=g)
-            l1 = F.l1_loss(f_hat, e[t][idx])
-            loss = loss + l1 + config.kl_weight * gaussian_kl(mu, logvar)
-            l1_sum = l1_sum + l1.detach()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if config.progress and (step % 25 == 0 or step == config.iterations - 1):
-            bar.set_postfix(l1=f"{l1_sum.item() / len(tasks):.4f}")
-    bar.close()
-    return {t: mod.eval() for t, mod in modules.items()}
+
+    def task_loss(module, f_m, f_t, generator):
+        f_hat, mu, logvar = module.forward_with_stats(f_m, sample=True, generator=generator)
+        l1 = F.l1_loss(f_hat, f_t)
+        return l1 + config.kl_weight * gaussian_kl(mu, logvar), l1
+
+    return _train("probsurgery", merged_feats, expert_feats, config, split,
+                  lambda d: ProbSurgeryModule(d, config.hidden), task_loss)
 
 
 @torch.no_grad()

@@ -21,7 +21,6 @@ def main() -> None:
     tasks_dir = get(params, "tasks_dir")
     base_ref = get(params, "model.base")
     existing = (get(params, "experts.paths", {}) or {}).get(task)
-    torch.set_num_threads(torch.get_num_threads())
     with timed(f"finetune@{task}"):
         tokenizer = load_tokenizer(base_ref)
         length = max_length(params, task)
