@@ -110,3 +110,35 @@ def moments_to_arrays(m: Moments) -> dict[str, Tensor]:
 def moments_from_arrays(kind: str, arrays: dict[str, Tensor]) -> Moments:
     cls = {"linear": LinearMoments, "norm": NormMoments}[kind]
     return cls(**{k: torch.as_tensor(v, dtype=torch.float64) for k, v in arrays.items()})
+
+
+def pack_moments(moments: dict[str, dict[str, Moments]]) -> tuple[dict[str, Tensor], dict]:
+    """One [tasks, total] float64 array per moment field (all modules' sums flattened side by
+    side) plus the layout to undo it: a layer's moments become a handful of arrays, not hundreds."""
+    tasks = sorted({t for per_task in moments.values() for t in per_task})
+    columns: dict[str, list[Tensor]] = {}
+    layout: dict[str, list] = {}
+    for module, per_task in moments.items():
+        kind = "linear" if isinstance(next(iter(per_task.values())), LinearMoments) else "norm"
+        arrays = {t: moments_to_arrays(per_task[t]) for t in tasks}
+        for name, value in arrays[tasks[0]].items():
+            offset = sum(c.shape[1] for c in columns.get(name, []))
+            columns.setdefault(name, []).append(torch.stack([arrays[t][name].reshape(-1) for t in tasks]))
+            layout.setdefault(name, []).append([module, kind, offset, list(value.shape)])
+    packed = {name: torch.cat(cols, dim=1) for name, cols in columns.items()}
+    return packed, {"tasks": tasks, "layout": layout}
+
+
+def unpack_moments(packed: dict[str, Tensor], meta: dict) -> dict[str, dict[str, Moments]]:
+    """The inverse of `pack_moments`."""
+    fields_of: dict[str, dict[str, dict[str, Tensor]]] = {}
+    kinds: dict[str, str] = {}
+    for name, entries in meta["layout"].items():
+        for module, kind, offset, shape in entries:
+            size = int(torch.Size(shape).numel())
+            kinds[module] = kind
+            for i, task in enumerate(meta["tasks"]):
+                value = packed[name][i, offset:offset + size].reshape(shape)
+                fields_of.setdefault(module, {}).setdefault(task, {})[name] = value
+    return {m: {t: moments_from_arrays(kinds[m], arrays) for t, arrays in per_task.items()}
+            for m, per_task in fields_of.items()}

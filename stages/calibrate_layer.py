@@ -12,25 +12,32 @@ import argparse
 from common import enabled_tasks, get, load_params, setup_logging, timed
 from safetensors.torch import save_file
 
-from featcal.calibrate import FeatCalConfig
+from featcal.calibrate import HYPER_KEYS, FeatCalConfig
 from featcal.data import batches_from_arrays
 from featcal.families import family_for
 from featcal.layerwise import calibrate_cached_block, merged_entry_states, stack_hidden
 from featcal.modeling import atomic_file, load_backbone, load_classifier
-from featcal.moments import moments_to_arrays
+from featcal.moments import pack_moments
 from featcal.store import read_group, write_group
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layer", type=int, required=True)
-    k = parser.parse_args().layer
+    parser.add_argument("--featcal-params", default="params.yaml",
+                        help="file whose featcal.alpha/rho/ridge override params.yaml's (tune/best.yaml when tuned)")
+    args = parser.parse_args()
+    k = args.layer
     setup_logging()
     params = load_params()
     tasks = enabled_tasks(params)
     name = f"L{k:02d}"
     with timed(f"calibrate-layer@{name}"):
-        config = FeatCalConfig.from_mapping(get(params, "featcal"))
+        featcal = dict(get(params, "featcal"))
+        if args.featcal_params != "params.yaml":
+            tuned = get(load_params(args.featcal_params), "featcal")
+            featcal.update({key: tuned[key] for key in HYPER_KEYS})
+        config = FeatCalConfig.from_mapping(featcal)
         merged = load_backbone("models/merged")
         base = load_backbone(get(params, "model.base"))
         experts = {t: load_classifier(f"experts/{t}") for t in tasks}
@@ -52,10 +59,8 @@ def main() -> None:
             params_out.update({pooler_prefix + n: p for n, p in family.pooler(merged).state_dict().items()})
         with atomic_file(f"calib/layers/{name}.safetensors") as tmp:
             save_file({n: p.contiguous() for n, p in params_out.items()}, tmp)
-        moments = {f"{module}/{task}/{field}": value
-                   for module, per_task in result.moments.items()
-                   for task, m in per_task.items() for field, value in moments_to_arrays(m).items()}
-        write_group(f"calib/moments/{name}.zarr", moments, {"layer": k, "tasks": tasks})
+        packed, layout = pack_moments(result.moments)
+        write_group(f"calib/moments/{name}.zarr", packed, {"layer": k, **layout})
         write_group(f"calib/student/layer_{k + 1:02d}.zarr", stack_hidden(result.student_next),
                     {"layer": k + 1, "drift_l2": result.drift.l2, "drift_cosine": result.drift.cosine})
     bad = [r.module for r in result.reports if r.condition is not None and r.condition > 1e12]

@@ -41,3 +41,26 @@ def test_moments_means_are_the_spec_statistics():
     assert torch.allclose(m.gram, (xs.T @ xs).double() / 2)
     assert torch.allclose(m.cross_mean, (xe.T @ xs).double() / 2)
     assert torch.allclose(m.target_mean(0.25), (0.25 * xe + 0.75 * xs).double().mean(0))
+
+
+def test_packed_moments_round_trip_exactly():
+    from featcal.moments import pack_moments, unpack_moments
+
+    g = torch.Generator().manual_seed(2)
+    moments = {}
+    for module, d in (("query", 4), ("dense", 6)):
+        moments[module] = {}
+        for task in ("b", "a"):
+            m = LinearMoments()
+            m.add(torch.randn(5, d, generator=g), torch.randn(5, d, generator=g))
+            moments[module][task] = m
+    norm = NormMoments()
+    norm.add(torch.randn(7, 4, generator=g))
+    moments["LayerNorm"] = {"a": norm, "b": NormMoments().merge(norm)}
+    packed, meta = pack_moments(moments)
+    assert len(packed) == 7  # one array per moment field, whatever the number of modules and tasks
+    back = unpack_moments(packed, meta)
+    for module, per_task in moments.items():
+        for task, m in per_task.items():
+            for name, value in moments_to_arrays(m).items():
+                assert torch.equal(moments_to_arrays(back[module][task])[name], value), (module, task, name)
