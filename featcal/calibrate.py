@@ -24,6 +24,7 @@ from .moments import LinearMoments, Moments, NormMoments
 log = logging.getLogger(__name__)
 
 HYPER_KEYS = ("alpha", "rho", "ridge")
+PIPELINE_KEYS = ("use_tuned",)   # keys of the `featcal` params section that are not FeatCal knobs
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class FeatCalConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping) -> "FeatCalConfig":
+        # `use_tuned` is the pipeline's switch to tuned values (stages/gen_chain.py), not a knob
+        values = {k: v for k, v in values.items() if k not in PIPELINE_KEYS}
         known = set(cls.__dataclass_fields__)
         bad = set(values) - known
         if bad:

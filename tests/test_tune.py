@@ -1,0 +1,258 @@
+"""Optuna tuning of α, ρ, λ on the dev split: resumable studies, workers sharing a PostgreSQL study,
+and the tuned values reaching the calibrated model through `dvc repro`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+import yaml
+from optuna.trial import TrialState
+from safetensors.torch import load_file
+
+from featcal import tune
+from featcal.calibrate import FeatCalConfig
+from featcal.data import TaskSplit
+from pg_server import postgres_server
+from tiny_project import ROOT, make_project, run
+
+DVC = [sys.executable, "-m", "dvc"]
+
+
+def stages_run(output: str) -> set[str]:
+    return set(re.findall(r"Running stage '([^']+)'", output))
+
+
+def edit_params(project: Path, **sections) -> dict:
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    for dotted, value in sections.items():
+        node = params
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return params
+
+
+def trials_of(storage: str, name: str) -> list[optuna.trial.FrozenTrial]:
+    return sorted(optuna.load_study(study_name=name, storage=storage).get_trials(), key=lambda t: t.number)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The tiny project, reproduced up to what tuning reads (experts, merge, expert features)."""
+    project = make_project(tmp_path_factory.mktemp("tune"))
+    run([*DVC, "repro", "merge", "collect-expert-features"], project)
+    return project
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    with postgres_server() as server:
+        yield server
+
+
+# --- fast: parsing, dev hygiene, trial accounting ---------------------------------------------------
+
+
+def test_search_space_and_settings_are_validated():
+    space = tune.SearchSpace.from_mapping({"alpha": [0, 1], "ridge": {"low": 1e-3, "high": 1, "log": True}})
+    assert space.ranges["ridge"].log and not space.ranges["alpha"].log
+    assert space.contains({"alpha": 0.25, "ridge": 0.05}) and not space.contains({"alpha": 1.5, "ridge": 0.05})
+    for bad in ({"gamma": [0, 1]}, {"alpha": [1, 0]}, {"ridge": {"low": 0, "high": 1, "log": True}},
+                {"alpha": {"lo": 0, "high": 1}}, {"alpha": 0.5}):
+        with pytest.raises(ValueError):
+            tune.SearchSpace.from_mapping(bad)
+    with pytest.raises(ValueError, match="unknown keys"):
+        tune.TuneSettings.from_mapping({"n_trails": 3})
+    # the pipeline switch is not a FeatCal knob
+    assert FeatCalConfig.from_mapping({"alpha": 0.3, "use_tuned": True}).alpha == 0.3
+
+
+def test_dev_examples_seen_by_calibration_are_not_scored():
+    class Tok:
+        def __call__(self, texts, truncation, max_length):
+            return {"input_ids": [[101] + [len(w) for w in t.split()][: max_length - 2] + [102] for t in texts]}
+
+    split = TaskSplit("t", "dev", ["a bb", "ccc", "dd e"], torch.tensor([0, 1, 0]))
+    calib_ids = torch.tensor([[101, 3, 102, 0], [101, 2, 1, 102]])     # "ccc" and "dd e" (padded rows)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    kept, dropped = tune.drop_calibration_overlap(split, Tok(), 8, calib_ids, mask)
+    assert dropped == 2 and kept.texts == ["a bb"] and kept.labels.tolist() == [0]
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_dead_or_interrupted_trials_are_rerun_but_failing_objectives_count(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = tune.open_study(tune.make_storage(url, heartbeat_s=1, grace_s=1), "s")
+    dead = study.ask()                                  # a worker that died mid-trial
+    study._storage.record_heartbeat(dead._trial_id)
+    time.sleep(2.5)
+    calls = []
+
+    def objective(trial):
+        x = trial.suggest_float("x", 0, 1)
+        calls.append(trial.number)
+        if len(calls) == 1:
+            raise ValueError("a genuine failure")
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return x
+
+    with pytest.raises(KeyboardInterrupt):
+        tune.run_trials(study, objective, 3, lock=tune.ClaimLock(url, "s"))
+    ran = tune.run_trials(study, objective, 3, lock=tune.ClaimLock(url, "s"))
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states[dead.number] == TrialState.FAIL                       # heartbeat stopped: failed...
+    failed = [t for t in study.get_trials() if t.state == TrialState.FAIL]
+    assert [("error" in t.user_attrs, t.user_attrs.get("interrupted", False)) for t in failed] == \
+        [(False, False), (True, False), (False, True)]
+    assert tune.count_trials(study) == 3 and len(ran) == 2                 # ...and both replaced
+    assert all(t.user_attrs["wall_s"] >= 0 for t in study.get_trials() if t.state == TrialState.COMPLETE)
+
+
+# --- slow: the tiny project -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_second_run_adds_only_the_new_trials(project, monkeypatch):
+    assert yaml.safe_load((project / "stages/chain.yaml").read_text())["tune_stage"] == []   # no tune stage
+    edit_params(project, featcal__use_tuned=True, tune__n_trials=2, tune__startup_trials=2)
+    run([sys.executable, "stages/gen_chain.py"], project)
+    storage = f"sqlite:///{project / 'tune/study.db'}"
+
+    first = run([*DVC, "repro", "tune"], project)
+    assert stages_run(first) == {"tune@dev"}, first
+    before = trials_of(storage, "featcal-dev")
+    assert [t.state for t in before] == [TrialState.COMPLETE] * 2
+    assert before[0].params == {"alpha": 0.25, "rho": 2.2, "ridge": 0.05}       # the defaults go first
+    assert all(t.user_attrs["wall_s"] > 0 and set(t.user_attrs["dev"]) == {"sentiment", "topic"} for t in before)
+
+    edit_params(project, tune__n_trials=4)
+    second = run([*DVC, "repro", "tune"], project)
+    assert stages_run(second) == {"tune@dev"}, second
+    assert "ran 2 new trials [2, 3]" in second, second
+    after = trials_of(storage, "featcal-dev")
+    assert len(after) == 4 and all(t.state == TrialState.COMPLETE for t in after)
+    for old, new in zip(before, after):                       # the first two were not run again
+        assert (old.params, old.value, old.datetime_start) == (new.params, new.value, new.datetime_start)
+    summary = json.loads((project / "results/tune.json").read_text())
+    assert summary["trials"]["complete"] == 4 and summary["ran_now"] == 2 and summary["trial_wall_s"]["mean"] > 0
+
+    # in process, four trials in one go: the same trials (seeded per trial number); never the test split
+    splits_read = []
+    real_read_split = tune.read_split
+    monkeypatch.setattr(tune, "read_split", lambda d, t, s: splits_read.append(s) or real_read_split(d, t, s))
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    tune.tune_from_params(params, storage=f"sqlite:///{project.parent / 'straight.db'}", root=project)
+    assert set(splits_read) == {"dev"}
+    assert [(t.params, t.value) for t in trials_of(f"sqlite:///{project.parent / 'straight.db'}", "featcal-dev")] \
+        == [(t.params, t.value) for t in after]
+    # a study scored on other inputs is refused
+    params["featcal"]["pooled_token_weight"] = 0.5
+    with pytest.raises(tune.StudyMismatchError):
+        tune.tune_from_params(params, storage=storage, root=project)
+
+    best = yaml.safe_load((project / "tune/best.yaml").read_text())
+    study = optuna.load_study(study_name="featcal-dev", storage=storage)
+    assert best["featcal"] == study.best_trial.params and best["study"]["best_trial"] == study.best_trial.number
+
+
+@pytest.mark.slow
+def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
+    edit_params(project, featcal__use_tuned=True)       # as the test above left it, if it ran
+    run([sys.executable, "stages/gen_chain.py"], project)
+    third = run([*DVC, "repro"], project)
+    assert {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"} <= stages_run(third) <= \
+        {"tune@dev", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, third
+    best = yaml.safe_load((project / "tune/best.yaml").read_text())
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert lock["stages"]["calibrate-layer@L01"]["params"]["tune/best.yaml"] == \
+        {f"featcal.{k}": v for k, v in best["featcal"].items()}
+    # the saved layers are exactly an in-process calibration with the best values
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    config = FeatCalConfig.from_mapping({**params["featcal"], **best["featcal"]})
+    problem = tune.load_problem(
+        base=params["model"]["base"], tasks=["sentiment", "topic"], max_length={"sentiment": 16, "topic": 16},
+        batch_size=params["calibration"]["batch_size"], merged=project / "models/merged",
+        experts_dir=project / "experts", features=project / "features/experts", tasks_dir=project / "data/tasks")
+    calibrated = problem.calibrate(config).state_dict()
+    for layer in ("L00", "L01"):
+        for name, value in load_file(project / f"calib/layers/{layer}.safetensors").items():
+            torch.testing.assert_close(value, calibrated[name], rtol=1e-5, atol=1e-6, msg=f"{layer} {name}")
+    assert "up to date" in run([*DVC, "status", "dvc.yaml"], project).lower()
+
+    edit_params(project, featcal__use_tuned=False)      # back to params.yaml's values, no tune stage
+    run([sys.executable, "stages/gen_chain.py"], project)
+    fourth = run([*DVC, "repro"], project)
+    assert stages_run(fourth) == {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, fourth
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert "tune/best.yaml" not in lock["stages"]["calibrate-layer@L00"]["params"]
+    assert lock["stages"]["calibrate-layer@L00"]["params"]["params.yaml"]["featcal.alpha"] == params["featcal"]["alpha"]
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_postgres_study(project, postgres):
+    """Two `featcal tune` processes on one PostgreSQL study: every trial lands once, the total is exact."""
+    cmd = [sys.executable, "-m", "featcal.cli", "tune", "--storage", postgres.url, "--study-name", "shared",
+           "--n-trials", "8"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    workers = [subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for _ in range(2)]
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+
+    ran = [set(json.loads(re.search(r"ran \d+ new trials (\[[\d, ]*\])", o).group(1))) for o in outputs]
+    trials = trials_of(postgres.url, "shared")
+    assert [t.number for t in trials] == list(range(8))                       # none lost, none duplicated
+    assert all(t.state == TrialState.COMPLETE and t.value is not None for t in trials)
+    assert ran[0].isdisjoint(ran[1]) and ran[0] | ran[1] == set(range(8))
+    assert all(ran), f"one worker ran every trial: {ran}"      # they really worked at the same time
+    print("trials per worker:", ran, [round(t.user_attrs["wall_s"], 2) for t in trials])
+    pids = {int(t.user_attrs["worker"].rsplit(":", 1)[1]) for t in trials}
+    assert pids <= {w.pid for w in workers}
+    by_worker = {w.pid: {t.number for t in trials if t.user_attrs["worker"].endswith(f":{w.pid}")} for w in workers}
+    assert [by_worker[w.pid] for w in workers] == ran
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == 8       # workers sample different points
+
+
+WORKER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from featcal import tune
+    url, name, go = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    study = tune.open_study(url, name)
+    while not go.exists():
+        time.sleep(0.01)
+    def objective(trial):
+        time.sleep(0.02)
+        return trial.suggest_float("x", 0, 1)
+    print(tune.run_trials(study, objective, 40, lock=tune.ClaimLock(url, name)))
+""")
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_claims_meet_the_total_exactly_under_contention(backend, request, tmp_path):
+    url = request.getfixturevalue("postgres").url if backend == "postgresql" else f"sqlite:///{tmp_path / 's.db'}"
+    go = tmp_path / "go"
+    tune.open_study(url, "race")     # create the schema once
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, url, "race", str(go)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(3)]
+    time.sleep(3)
+    go.touch()
+    outputs = [w.communicate(timeout=240) for w in workers]
+    assert [w.returncode for w in workers] == [0, 0, 0], [o[1][-2000:] for o in outputs]
+    ran = [json.loads(o[0].strip().splitlines()[-1]) for o in outputs]
+    trials = trials_of(url, "race")
+    assert sorted(n for r in ran for n in r) == [t.number for t in trials] == list(range(40))
+    assert all(t.state == TrialState.COMPLETE for t in trials)
