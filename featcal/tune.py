@@ -538,6 +538,7 @@ def summarize(study: optuna.Study) -> dict:
                 (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING)}
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     walls = [t.user_attrs["wall_s"] for t in complete if "wall_s" in t.user_attrs]
+    calibrating = [t.user_attrs["calibrate_s"] for t in complete if "calibrate_s" in t.user_attrs]
     out: dict = {"study": study.study_name, "trials": by_state}
     if complete:
         best = study.best_trial
@@ -549,6 +550,9 @@ def summarize(study: optuna.Study) -> dict:
     if walls:
         out["trial_wall_s"] = {"mean": round(statistics.fmean(walls), 3), "median": round(statistics.median(walls), 3),
                                "min": min(walls), "max": max(walls)}
+    if calibrating:   # the calibration alone, comparable to one calibrate-layer@* chain
+        out["trial_calibrate_s"] = {"mean": round(statistics.fmean(calibrating), 3),
+                                    "median": round(statistics.median(calibrating), 3)}
     return out
 
 
@@ -571,11 +575,6 @@ def write_best(path: str | os.PathLike, study: optuna.Study, base: FeatCalConfig
     with atomic_file(path) as tmp:
         tmp.write_text(header + yaml.safe_dump(doc, sort_keys=False))
     return doc
-
-
-def load_best(path: str | os.PathLike) -> dict[str, float]:
-    doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    return dict(doc.get("featcal") or {})
 
 
 def copy_to_sqlite(study: optuna.Study, path: str | os.PathLike) -> None:
@@ -622,8 +621,8 @@ class TuneSettings:
 
 
 def featcal_config(params: Mapping) -> FeatCalConfig:
-    """The `featcal` section without the pipeline switch `use_tuned`."""
-    return FeatCalConfig.from_mapping({k: v for k, v in (params.get("featcal") or {}).items() if k != "use_tuned"})
+    """The `featcal` section (its pipeline switch `use_tuned` is ignored)."""
+    return FeatCalConfig.from_mapping(params.get("featcal") or {})
 
 
 def _enabled_tasks(params: Mapping) -> list[str]:
