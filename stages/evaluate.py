@@ -46,8 +46,9 @@ def main() -> None:
         scores = {"experts": {}, "merged": {}, "featcal": {}}
         for task in tqdm(tasks, desc="evaluate", unit="task"):
             test, length = read_split(tasks_dir, task, "test"), max_length(params, task)
+            # the expert's test accuracy was measured by finetune@<task> on this same split
+            scores["experts"][task] = read_json(f"results/experts/{task}.json")["test"]
             model = load_classifier(f"experts/{task}")
-            scores["experts"][task] = accuracy(model, tokenizer, test, length)
             for label, backbone in (("merged", merged), ("featcal", calibrated)):
                 scores[label][task] = accuracy(with_backbone(model, backbone.state_dict()), tokenizer, test, length)
         metrics = {k: summary(v) for k, v in scores.items()}
