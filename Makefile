@@ -38,3 +38,8 @@ bench: setup
 
 clean:
 	rm -rf .venv
+
+# Lazy per-layer loading vs whole experts: peak RSS and wall time (~15 min, ~8 GB temporary disk).
+.PHONY: bench-lazy
+bench-lazy: setup
+	$(PY) bench/lazy_vs_whole.py

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,13 @@ log = logging.getLogger(__name__)
 
 HYPER_KEYS = ("alpha", "rho", "ridge")
 PIPELINE_KEYS = ("use_tuned",)   # keys of the `featcal` params section that are not FeatCal knobs
+
+# Optional hooks for data-parallel runs (see featcal.distributed); both default to "no reduction".
+# reduce_moments(moments[module][task], modules) -> moments summed over all processes, with every
+#   task present for every module (a process may have held no example of a task);
+# reduce_sums(tensor) -> the tensor summed over all processes.
+MomentReducer = Callable[[dict, Mapping[str, nn.Module]], dict]
+SumReducer = Callable[[Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -254,9 +261,11 @@ def block_drift(
     expert_backbones: Mapping[str, nn.Module],
     student: Mapping[str, Sequence[Stream]],
     expert: Mapping[str, Sequence[Stream]],
+    reduce_sums: SumReducer | None = None,
 ) -> LayerDrift:
     """Mean L2 distance and cosine similarity between block `index`'s outputs in the student and
-    expert streams (the streams `run_block` returned), over every real token of every task."""
+    expert streams (the streams `run_block` returned), over every real token of every task.
+    `reduce_sums` (data-parallel runs) sums the (l2, cosine, count) totals over processes."""
     l2 = cos = count = torch.zeros((), dtype=torch.float64)
     for task, streams in student.items():
         for s, e in zip(streams, expert[task], strict=True):
@@ -266,6 +275,8 @@ def block_drift(
             l2 = l2 + (hs - he).norm(dim=-1).sum()
             cos = cos + F.cosine_similarity(hs, he, dim=-1).sum()
             count = count + hs.shape[0]
+    if reduce_sums is not None:
+        l2, cos, count = reduce_sums(torch.stack([l2, cos, count]))
     return LayerDrift(index, float(l2 / count), float(cos / count))
 
 
@@ -289,8 +300,14 @@ def calibrate_block(
     expert_streams: Mapping[str, Sequence[Stream]],
     config: FeatCalConfig,
     last: bool,
+    reduce_moments: MomentReducer | None = None,
+    reduce_sums: SumReducer | None = None,
 ) -> BlockResult:
-    """Calibrate block `index` of the student backbone in place, and advance both streams."""
+    """Calibrate block `index` of the student backbone in place, and advance both streams.
+
+    With `reduce_moments` (data-parallel runs), the per-block moment sums are reduced over
+    processes before the solve, and a task may have no local batch on this process.
+    """
     block = family.blocks(student_backbone)[index]
     base_block = family.blocks(base_backbone)[index]
     modules = family.calibrated_modules(block)
@@ -300,6 +317,8 @@ def calibrate_block(
     for task, streams in student_streams.items():
         if task not in expert_blocks:
             raise KeyError(f"calibration data for task {task!r} but no expert for it")
+        if not streams and reduce_moments is None:
+            raise ValueError(f"block {index}: task {task!r} has no calibration batches")
         per_task: dict[str, Moments] = {}
         expert_next[task] = []
         for s, e in zip(streams, expert_streams[task], strict=True):
@@ -308,7 +327,10 @@ def calibrate_block(
             accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight)
             expert_next[task].append(e_out)
         for name in modules:
-            moments[name][task] = per_task[name]
+            if name in per_task:
+                moments[name][task] = per_task[name]
+    if reduce_moments is not None:
+        moments = reduce_moments(moments, modules)
     expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
     updates, reports = solve_modules(
         modules, family.calibrated_modules(base_block), expert_modules, moments,
@@ -318,7 +340,7 @@ def calibrate_block(
     student_next = {
         t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()
     }
-    drift = block_drift(family, index, student_backbone, expert_backbones, student_next, expert_next)
+    drift = block_drift(family, index, student_backbone, expert_backbones, student_next, expert_next, reduce_sums)
     return BlockResult(updates, reports, moments, student_next, expert_next, drift)
 
 
@@ -330,6 +352,7 @@ def calibrate_pooler(
     student_streams: Mapping[str, Sequence[Stream]],
     expert_streams: Mapping[str, Sequence[Stream]],
     config: FeatCalConfig,
+    reduce_moments: MomentReducer | None = None,
 ) -> list[ModuleReport]:
     """The pooler dense as a last pseudo-layer: its input is the pooled token of the last block."""
     pooler = family.pooler(student_backbone)
@@ -341,9 +364,12 @@ def calibrate_pooler(
         for s, e in zip(streams, expert_streams[task], strict=True):
             accumulate_pooled_moments(s, e, moments[task], family, student_backbone)
     name = "dense"
+    all_moments = {name: moments}
+    if reduce_moments is not None:
+        all_moments = reduce_moments(all_moments, {name: pooler})
     updates, reports = solve_modules(
         {name: pooler}, {name: family.pooler(base_backbone)},
-        {t: {name: family.pooler(b)} for t, b in expert_backbones.items()}, {name: moments},
+        {t: {name: family.pooler(b)} for t, b in expert_backbones.items()}, all_moments,
         config.for_layer(len(family.blocks(student_backbone))), config, prefix="pooler: ",
     )
     apply_updates(pooler, {k.removeprefix(f"{name}."): v for k, v in updates.items()})
@@ -372,12 +398,16 @@ def calibrate(
     family: Family | None = None,
     inplace: bool = False,
     progress: bool = True,
+    reduce_moments: MomentReducer | None = None,
+    reduce_sums: SumReducer | None = None,
 ) -> CalibrationResult:
     """FeatCal in forward order on a merged model.
 
     `merged`, `base` and each `experts[task]` are models of one family (full task models or bare
     backbones); `batches[task]` are tokenised calibration batches of that task (labels unused).
-    Returns the calibrated backbone (a copy unless `inplace`).
+    Returns the calibrated backbone (a copy unless `inplace`). `reduce_moments` / `reduce_sums`
+    make it one process of a data-parallel run (`featcal.distributed`); by default none.
+    For experts read one layer at a time from safetensors files, see `featcal.lazy.calibrate_lazy`.
     """
     config = config or FeatCalConfig()
     family = family or family_for(merged)
@@ -397,13 +427,16 @@ def calibrate(
     for index in tqdm(range(n_blocks), desc="featcal", unit="layer", disable=not progress):
         result = calibrate_block(
             family, index, student, base_bb, expert_bbs, student_streams, expert_streams, config,
-            last=index == n_blocks - 1,
+            last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
         )
         student_streams, expert_streams = result.student_next, result.expert_next
         drift.append(result.drift)
         reports.extend(result.reports)
+        del result  # this block's moments are not kept while the next block gathers its own
     if config.calibrate_pooler:
         reports.extend(
-            calibrate_pooler(family, student, base_bb, expert_bbs, student_streams, expert_streams, config)
+            calibrate_pooler(
+                family, student, base_bb, expert_bbs, student_streams, expert_streams, config, reduce_moments
+            )
         )
     return CalibrationResult(student, drift, reports)
