@@ -57,7 +57,6 @@ def build(args, work: Path) -> dict:
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from featcal.lazy import lazy_merge
 
     torch.manual_seed(args.seed)
     cfg = BertConfig(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from common import calibration_spec, enabled_tasks, get, load_params, setup_logging, timed
 from tqdm.auto import tqdm
 
-from featcal.data import CalibrationSpec, batches_to_arrays, calibration_batches
+from featcal.data import batches_to_arrays, calibration_batches
 from featcal.families import family_for
 from featcal.layerwise import collect_expert_states
 from featcal.modeling import load_classifier, load_tokenizer

@@ -16,19 +16,14 @@ mean-pools the patch tokens, which a model_type alone cannot tell apart from CLS
 
 from __future__ import annotations
 
-from typing import Mapping
+from torch import nn
 
-import torch
-from torch import Tensor, nn
-
-from .base import Family, Stream
-from .vit import all_tokens, image_inputs
+from .vit import ImageTowerFamily
 
 
-class CLIPVisionFamily(Family):
+class CLIPVisionFamily(ImageTowerFamily):
     name = "clip"
     model_types = ("clip_vision_model",)
-    pooling = "cls"
 
     def backbone(self, model: nn.Module) -> nn.Module:
         """The vision tower: descend through `vision_model` wrappers (with-projection, older layouts)."""
@@ -39,13 +34,6 @@ class CLIPVisionFamily(Family):
     def blocks(self, backbone: nn.Module) -> list[nn.Module]:
         return list(backbone.encoder.layers)
 
-    def model_inputs(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return image_inputs(inputs)
-
-    def token_mask(self, inputs: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
-        return all_tokens(hidden)
-
-    def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
-        """post_layernorm(CLS of the last block): the tower's pooled output."""
-        cls = stream.hidden[torch.arange(stream.hidden.shape[0]), stream.pooled_index]
-        return backbone.post_layernorm(cls)
+    def final_norm(self, backbone: nn.Module) -> nn.Module:
+        """post_layernorm(CLS of the last block) is the tower's pooled output."""
+        return backbone.post_layernorm

@@ -28,7 +28,27 @@ def all_tokens(hidden: Tensor) -> Tensor:
     return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
 
 
-class ViTFamily(Family):
+class ImageTowerFamily(Family):
+    """Vision transformers: pixel inputs, no padding, the head reads final_norm(CLS)."""
+
+    pooling = "cls"
+
+    def final_norm(self, backbone: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def model_inputs(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return image_inputs(inputs)
+
+    def token_mask(self, inputs: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
+        return all_tokens(hidden)
+
+    def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
+        """final_norm(CLS of the last block): what the head reads."""
+        cls = stream.hidden[torch.arange(stream.hidden.shape[0]), stream.pooled_index]
+        return self.final_norm(backbone)(cls)
+
+
+class ViTFamily(ImageTowerFamily):
     name = "vit"
     model_types = ("vit",)
     pooling = "cls"
@@ -42,13 +62,6 @@ class ViTFamily(Family):
         pooler = getattr(backbone, "pooler", None)
         return None if pooler is None else pooler.dense
 
-    def model_inputs(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return image_inputs(inputs)
-
-    def token_mask(self, inputs: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
-        return all_tokens(hidden)
-
-    def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
-        """layernorm(CLS of the last block): what the classifier (and the pooler) read."""
-        cls = stream.hidden[torch.arange(stream.hidden.shape[0]), stream.pooled_index]
-        return backbone.layernorm(cls)
+    def final_norm(self, backbone: nn.Module) -> nn.Module:
+        """The classifier (and the pooler, if any) read layernorm(CLS)."""
+        return backbone.layernorm
