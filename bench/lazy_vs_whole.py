@@ -57,7 +57,6 @@ def build(args, work: Path) -> dict:
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-
     torch.manual_seed(args.seed)
     cfg = BertConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
