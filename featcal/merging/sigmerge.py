@@ -521,6 +521,7 @@ def plot_admitted(record: Mapping[str, Any], path: str | Path) -> None:
                 ax.text(c, r, str(br["admitted"].get(d, 0)), ha="center", va="center", fontsize=7, color="w")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=120)
     finally:
         plt.close(fig)
