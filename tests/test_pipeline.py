@@ -93,7 +93,6 @@ def test_sigmerge_as_the_pipeline_merge_feeds_the_calibration_chain(project):
     if record["total_admitted"] > 0:
         assert chain <= ran, out  # a new merged model: the whole chain re-runs on it
     else:
-        # no domain had a dev deficit: SigMerge returned the anchor bit for bit, so DVC sees the
-        # same merged model and keeps the calibration
-        assert all(d["deficit"] == 0 for d in record["domains"].values())
+        # nothing admitted: SigMerge returned the anchor bit for bit, so DVC sees the same merged
+        # model (the TA merge it replaced) and keeps the calibration
         assert not chain & ran, out
