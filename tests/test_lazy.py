@@ -12,6 +12,7 @@ import featcal.lazy as lazy
 from featcal import merge_models
 from featcal.calibrate import FeatCalConfig, calibrate
 from featcal.lazy import CheckpointReader, LazyBackbone, block_group, calibrate_lazy, lazy_merge, parse_size
+from test_calibrate import batches_for
 
 
 def tiny_bert(seed=0, layers=3, num_labels=2):
@@ -32,18 +33,6 @@ def perturbed(model, seed, scale=0.1, num_labels=None):
         for p in out.bert.parameters():
             p.add_(scale * torch.randn(p.shape, generator=g))
     return out.eval()
-
-
-def batches_for(tasks, seed=0, n_batches=2, bs=5, length=8):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for t in tasks:
-        out[t] = []
-        for _ in range(n_batches):
-            mask = torch.ones(bs, length, dtype=torch.long)
-            mask[1, 4:] = 0
-            out[t].append(dict(input_ids=torch.randint(1, 60, (bs, length), generator=g), attention_mask=mask))
-    return out
 
 
 @pytest.fixture(scope="module")
