@@ -73,7 +73,7 @@ def make_project(root: Path) -> Path:
     for name in ("dvc.yaml",):
         shutil.copy(ROOT / name, project / name)
     for folder in ("stages", "compare"):
-        shutil.copytree(ROOT / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__", "dvc.lock"))
     shutil.copytree(ROOT / "featcal", project / "featcal", ignore=shutil.ignore_patterns("__pycache__"))
     make_base(root / "base")
     params = tiny_params(root / "base", make_tasks(root / "raw"))
