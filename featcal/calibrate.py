@@ -1,8 +1,9 @@
-"""Forward-order FeatCal: per block, gather moments of module inputs, solve in closed form, advance.
+"""FeatCal's per-block step: gather moments of module inputs, solve in closed form, advance.
 
-The driver only gathers statistics and calls the pure solvers in `featcal.solve`. It holds one
+The step only gathers statistics and calls the pure solvers in `featcal.solve`. It holds one
 block's activations for the calibration set at a time (the student and expert streams entering
-the current block), never all layers'.
+the block). The loop over blocks is `featcal.walk.walk`, the only one; `calibrate` here is its
+in-memory entry point.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from . import solve
 from .families import Family, Stream, family_for, module_kind
@@ -389,6 +389,18 @@ def enter_streams(
     return {t: [family.enter(backbone, b) for b in bs] for t, bs in batches.items()}
 
 
+def student_backbone(family: Family, merged: nn.Module, inplace: bool) -> nn.Module:
+    """The merged model's backbone, the one calibration writes into (a copy unless `inplace`)."""
+    student = family.backbone(merged)
+    return (student if inplace else copy.deepcopy(student)).eval()
+
+
+def check_tasks(batches: Mapping, experts: Mapping) -> None:
+    missing = set(batches) - set(experts)
+    if missing:
+        raise KeyError(f"calibration data for tasks without an expert: {sorted(missing)}")
+
+
 def calibrate(
     merged: nn.Module,
     base: nn.Module,
@@ -401,7 +413,7 @@ def calibrate(
     reduce_moments: MomentReducer | None = None,
     reduce_sums: SumReducer | None = None,
 ) -> CalibrationResult:
-    """FeatCal in forward order on a merged model.
+    """FeatCal in forward order on a merged model, everything in memory (`featcal.walk`).
 
     `merged`, `base` and each `experts[task]` are models of one family (full task models or bare
     backbones); `batches[task]` are tokenised calibration batches of that task (labels unused).
@@ -409,34 +421,12 @@ def calibrate(
     make it one process of a data-parallel run (`featcal.distributed`); by default none.
     For experts read one layer at a time from safetensors files, see `featcal.lazy.calibrate_lazy`.
     """
-    config = config or FeatCalConfig()
+    from .walk import ModuleWeights, walk_all  # the walk builds on this module's per-block steps
+
     family = family or family_for(merged)
-    student = family.backbone(merged)
-    if not inplace:
-        student = copy.deepcopy(student)
-    student.eval()
-    base_bb = family.backbone(base).eval()
-    expert_bbs = {t: family.backbone(m).eval() for t, m in experts.items()}
-    missing = set(batches) - set(expert_bbs)
-    if missing:
-        raise KeyError(f"calibration data for tasks without an expert: {sorted(missing)}")
-    student_streams = enter_streams(family, student, batches)
-    expert_streams = {t: [family.enter(expert_bbs[t], b) for b in bs] for t, bs in batches.items()}
-    n_blocks = len(family.blocks(student))
-    drift, reports = [], []
-    for index in tqdm(range(n_blocks), desc="featcal", unit="layer", disable=not progress):
-        result = calibrate_block(
-            family, index, student, base_bb, expert_bbs, student_streams, expert_streams, config,
-            last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
-        )
-        student_streams, expert_streams = result.student_next, result.expert_next
-        drift.append(result.drift)
-        reports.extend(result.reports)
-        del result  # this block's moments are not kept while the next block gathers its own
-    if config.calibrate_pooler:
-        reports.extend(
-            calibrate_pooler(
-                family, student, base_bb, expert_bbs, student_streams, expert_streams, config, reduce_moments
-            )
-        )
-    return CalibrationResult(student, drift, reports)
+    check_tasks(batches, experts)
+    student = student_backbone(family, merged, inplace)
+    weights = ModuleWeights(family.backbone(base).eval(), {t: family.backbone(m).eval() for t, m in experts.items()})
+    result = walk_all(family, student, weights, batches, config or FeatCalConfig(), progress=progress,
+                      reduce_moments=reduce_moments, reduce_sums=reduce_sums)
+    return CalibrationResult(student, result.drift, result.reports)

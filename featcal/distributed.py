@@ -104,6 +104,34 @@ def shard_batches(batches: Mapping[str, Sequence[T]], rank_: int | None = None,
     return {task: shard(list(bs), rank_, world) for task, bs in batches.items()}
 
 
+def shard_examples(states: Mapping[str, Tensor], batch_size: int) -> dict[str, Tensor]:
+    """This rank's rows of stacked per-task states [N, ...]: the examples of the batches that
+    `shard_batches` gives it, when the batches hold `batch_size` examples each."""
+    out = {}
+    for task, value in states.items():
+        parts = shard(list(torch.split(value, batch_size)))
+        out[task] = torch.cat(parts) if parts else value[:0]
+    return out
+
+
+def gather_examples(local: Mapping[str, Tensor], batch_size: int) -> dict[str, Tensor]:
+    """The inverse of `shard_examples` on rank 0 (every rank's rows, in example order); other
+    ranks get {}. In one process, `local` itself."""
+    if world_size() == 1:
+        return dict(local)
+    gathered = [None] * world_size() if is_main() else None
+    dist.gather_object(dict(local), gathered, dst=0)
+    if not is_main():
+        return {}
+    world = world_size()
+    out = {}
+    for task in dict.fromkeys(t for part in gathered for t in part):
+        per_rank = [list(torch.split(part[task], batch_size)) if task in part else [] for part in gathered]
+        n = sum(len(p) for p in per_rank)
+        out[task] = torch.cat([per_rank[i % world][i // world] for i in range(n)])
+    return out
+
+
 # --- reducing moment sums ------------------------------------------------------------------------------
 
 

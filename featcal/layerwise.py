@@ -1,111 +1,109 @@
-"""FeatCal split into per-layer steps that exchange hidden states through caches.
+"""FeatCal as per-layer steps that exchange hidden states through caches, reading weights lazily.
 
-`collect_expert_states` walks every expert through its blocks in lockstep and yields one layer of
-states at a time; `calibrate_cached_block` calibrates one block from the cached states entering it.
-Together they compute exactly what `featcal.calibrate.calibrate` computes in one process.
+`collect_expert_layers` runs every expert through its blocks in lockstep and yields one layer of
+states at a time; `calibrate_cached_layer` walks one block from the cached states entering it.
+Both read from each checkpoint only the tensors of the block they work on (plus the embeddings
+a stream needs to enter), through `featcal.lazy.LazyWeights`, and both run the one walk
+(`featcal.walk`). Chained over every block they compute exactly what `featcal.calibrate.calibrate`
+computes in one process.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Sequence
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
 
-import torch
 from torch import Tensor, nn
 
-from .calibrate import BlockResult, FeatCalConfig, calibrate_block, calibrate_pooler, enter_streams
-from .families import Family, Stream
+from .calibrate import FeatCalConfig, LayerDrift, ModuleReport, MomentReducer, SumReducer, enter_streams
+from .families import Family, family_for
+from .lazy import CheckpointReader, LazyBackbone, LazyWeights, block_prefixes, empty_backbone, module_prefix, outer_prefixes
+from .moments import Moments
+from .walk import Batches, CachedExpertStates, expert_layer_states, require_uniform, split_like, stack_hidden, walk
 
-Batches = Mapping[str, Sequence[Mapping[str, Tensor]]]
-
-
-def require_uniform(family: Family) -> None:
-    if not family.uniform_block_inputs:
-        raise ValueError(
-            f"the per-layer pipeline needs blocks that share their extra inputs; family {family.name!r} "
-            "does not (use featcal.calibrate.calibrate in one process instead)"
-        )
+PathLike = str | os.PathLike
 
 
-def stack_hidden(streams: Mapping[str, Sequence[Stream]]) -> dict[str, Tensor]:
-    """Per task, the batches' hidden states concatenated along examples ([N, T, d], float32)."""
-    return {t: torch.cat([s.hidden for s in ss]).float() for t, ss in streams.items()}
+def collect_expert_layers(expert_dirs: Mapping[str, PathLike], batches: Batches) -> Iterator[dict[str, Tensor]]:
+    """For layer 0..L, each expert's states entering that block (layer L: the last block's output),
+    every expert on its own task's batches; one block of one expert's weights is read at a time."""
+    like = empty_backbone(next(iter(expert_dirs.values())))
+    family = family_for(like)
+    weights = LazyWeights(family, like, None, {t: expert_dirs[t] for t in batches})
+    yield from expert_layer_states(family, weights, batches, len(family.blocks(like)))
 
 
-def streams_from_cache(family: Family, backbone: nn.Module, batches: Batches, hidden: Mapping[str, Tensor]) -> dict[str, list[Stream]]:
-    """Rebuild streams entering a block: the model's block inputs from the token batches, with the
-    cached hidden states in place of the embeddings."""
-    require_uniform(family)
-    out: dict[str, list[Stream]] = {}
-    for task, task_batches in batches.items():
-        if task not in hidden:
-            raise KeyError(f"no cached hidden states for task {task!r} (cached: {sorted(hidden)})")
-        streams, start = [], 0
-        for batch in task_batches:
-            stream = family.enter(backbone, batch)
-            n = stream.hidden.shape[0]
-            cached = hidden[task][start:start + n]
-            if cached.shape != stream.hidden.shape:
-                raise ValueError(
-                    f"task {task!r}: cached states {tuple(hidden[task].shape)} do not match the batches "
-                    f"(batch at example {start} has shape {tuple(stream.hidden.shape)})"
-                )
-            streams.append(stream.with_hidden(cached.to(stream.hidden.dtype)))
-            start += n
-        out[task] = streams
-    return out
+@dataclass
+class LayerOutput:
+    """What one calibrated block hands on: its parameters (named as in the backbone's state dict,
+    the pooler's too on the last block), its moment sums, and the student states entering the next."""
+
+    parameters: dict[str, Tensor]
+    moments: dict[str, dict[str, Moments]]
+    student_next: dict[str, Tensor]
+    drift: LayerDrift
+    reports: list[ModuleReport]
 
 
-@torch.no_grad()
-def collect_expert_states(family: Family, experts: Mapping[str, nn.Module], batches: Batches) -> Iterator[dict[str, Tensor]]:
-    """Yield, for layer 0..L, each expert's states entering that block (layer L: the last output).
+class LazyStudent:
+    """The merged backbone with only block `index` and the parameters outside the blocks
+    (embeddings, final norm, pooler: what entering a stream and the pooler step need) in memory."""
 
-    Each expert runs its own forward on its own task's examples; one layer is held at a time.
-    """
-    require_uniform(family)
-    backbones = {t: family.backbone(experts[t]).eval() for t in batches}
-    streams = {t: [family.enter(backbones[t], b) for b in batches[t]] for t in batches}
-    n_blocks = len(family.blocks(next(iter(backbones.values()))))
-    yield stack_hidden(streams)
-    for index in range(n_blocks):
-        streams = {t: [family.run_block(backbones[t], index, s) for s in ss] for t, ss in streams.items()}
-        yield stack_hidden(streams)
+    def __init__(self, merged_dir: PathLike, index: int):
+        like = empty_backbone(merged_dir)
+        self.family = family_for(like)
+        require_uniform(self.family)
+        self.lazy = LazyBackbone(like, CheckpointReader(merged_dir))
+        self.module = self.lazy.module
+        self.index = index
+        self.n_blocks = len(self.family.blocks(self.module))
+        if not 0 <= index < self.n_blocks:
+            raise ValueError(f"{merged_dir}: no block {index}; the model has blocks 0..{self.n_blocks - 1}")
+        self.block_prefix = block_prefixes(self.family, self.module)[index]
+        self.lazy.load(self.lazy.names_under([self.block_prefix] + outer_prefixes(self.family, self.module)))
+
+    def parameters(self, with_pooler: bool) -> dict[str, Tensor]:
+        prefixes = [self.block_prefix]
+        if with_pooler and self.family.pooler(self.module) is not None:
+            prefixes.append(module_prefix(self.module, self.family.pooler(self.module)))
+        return {n: p.detach().contiguous() for n, p in self.module.state_dict().items() if n.startswith(tuple(prefixes))}
 
 
-@torch.no_grad()
-def merged_entry_states(family: Family, merged: nn.Module, batches: Batches) -> dict[str, Tensor]:
-    """The student's states entering block 0: the merged model's embeddings on each task."""
-    return stack_hidden(enter_streams(family, family.backbone(merged), batches))
-
-
-def calibrate_cached_block(
-    family: Family,
+def calibrate_cached_layer(
     index: int,
-    merged: nn.Module,
-    base: nn.Module,
-    experts: Mapping[str, nn.Module],
+    merged_dir: PathLike,
+    base: PathLike,
+    expert_dirs: Mapping[str, PathLike],
     batches: Batches,
-    student_hidden: Mapping[str, Tensor],
-    expert_hidden: Mapping[str, Tensor],
+    student_states: Mapping[str, Tensor] | None,
+    expert_states: Callable[[int], Mapping[str, Tensor]],
     config: FeatCalConfig,
-    expert_out_hidden: Mapping[str, Tensor] | None = None,
-) -> BlockResult:
-    """Calibrate block `index` of `merged` in place from cached states entering it.
+    reduce_moments: MomentReducer | None = None,
+    reduce_sums: SumReducer | None = None,
+) -> LayerOutput:
+    """Walk block `index` alone: the student states entering it (None for block 0: the merged
+    embeddings), the experts' cached states (`expert_states(layer)`), weights read lazily from
+    `merged_dir`, `base` and `expert_dirs`. On the last block, with `config.calibrate_pooler`, the
+    pooler follows (its expert input is the cache of layer L)."""
+    student = LazyStudent(merged_dir, index)
+    family = student.family
+    weights = LazyWeights(family, student.module, base, {t: expert_dirs[t] for t in batches})
+    entry = enter_streams(family, student.module, batches)
+    student_in = entry if student_states is None else split_like(student_states, entry)
+    moments: dict[str, dict[str, Moments]] = {}
+    result = walk(family, student.module, weights, student_in, CachedExpertStates(expert_states), config,
+                  start=index, stop=index + 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
+                  on_block=lambda _k, block: moments.update(block.moments), progress=False)
+    last = index == student.n_blocks - 1
+    return LayerOutput(student.parameters(with_pooler=last and config.calibrate_pooler), moments,
+                       stack_hidden(result.student), result.drift[0], result.reports)
 
-    On the last block, with `config.calibrate_pooler`, the pooler is calibrated too; it needs the
-    experts' final states (`expert_out_hidden`, the cache of layer L).
-    """
-    student_bb = family.backbone(merged).eval()
-    base_bb = family.backbone(base).eval()
-    expert_bbs = {t: family.backbone(m).eval() for t, m in experts.items()}
-    student = streams_from_cache(family, student_bb, batches, student_hidden)
-    expert = streams_from_cache(family, student_bb, batches, expert_hidden)
-    last = index == len(family.blocks(student_bb)) - 1
-    result = calibrate_block(family, index, student_bb, base_bb, expert_bbs, student, expert, config, last=last)
-    if last and config.calibrate_pooler:
-        if expert_out_hidden is None:
-            raise ValueError("calibrating the pooler needs the experts' final states (layer L cache)")
-        expert_final = streams_from_cache(family, student_bb, batches, expert_out_hidden)
-        result.reports.extend(
-            calibrate_pooler(family, student_bb, base_bb, expert_bbs, result.student_next, expert_final, config)
-        )
-    return result
+
+def merged_entry_states(family: Family, backbone: nn.Module, batches: Batches) -> dict[str, Tensor]:
+    """The student's states entering block 0: the merged model's embeddings on each task."""
+    return stack_hidden(enter_streams(family, backbone, batches))
+
+
+__all__ = ["LayerOutput", "LazyStudent", "calibrate_cached_layer", "collect_expert_layers", "merged_entry_states"]
+

@@ -8,8 +8,9 @@ experts. Three pieces:
   opened only for the read.
 - `LazyBackbone`: a skeleton of a backbone whose parameters live on the meta device (no memory)
   until `loaded(...)` reads the ones a step needs from a checkpoint; they go back to meta after.
-  `calibrate_lazy` keeps one block of the base and of every expert in memory at a time (plus, for
-  the expert streams' entry, each expert's embeddings while its stream is built).
+  `LazyWeights` gives the walk (`featcal.walk`) one block of the base and of every expert at a
+  time (plus, for the expert streams' entry, each expert's embeddings while its stream is built);
+  `calibrate_lazy` is the whole-model walk with it.
 - `lazy_merge`: merges tensor group by tensor group (one block at a time) with the merge registry
   and writes the merged backbone shard by shard, in the Hugging Face sharded format.
 
@@ -40,13 +41,13 @@ from .calibrate import (
     FeatCalConfig,
     MomentReducer,
     SumReducer,
-    calibrate_block,
-    calibrate_pooler,
-    enter_streams,
+    check_tasks,
+    student_backbone,
 )
 from .families import Family, family_for
 from .merging import build_options, merge_state_dicts
 from .modeling import atomic_dir, resolve_model_ref
+from .walk import walk_all
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -321,6 +322,79 @@ def leaves_stage(family: Family, backbone: nn.Module, index: int) -> bool:
     )
 
 
+class LazyWeights:
+    """`featcal.walk.BlockWeights` read from safetensors folders: a step holds one block (or the
+    pooler) of the base and of each expert; each expert's embeddings only while its stream enters.
+
+    `like` is the backbone whose shape the checkpoints have (the student, or `empty_backbone`).
+    """
+
+    def __init__(self, family: Family, like: nn.Module, base: str | os.PathLike | None,
+                 experts: Mapping[str, str | os.PathLike]):
+        self.family, self.like = family, like
+        self.base = None if base is None else LazyBackbone(like, CheckpointReader(base))  # None: experts only
+        self.experts = {t: LazyBackbone(like, CheckpointReader(path)) for t, path in experts.items()}
+        self.outer = outer_prefixes(family, like)
+        self.blocks = block_prefixes(family, like)
+
+    @contextlib.contextmanager
+    def _loaded(self, base_prefixes: list[str], expert_prefixes: list[str]):
+        with contextlib.ExitStack() as stack:
+            base = None if self.base is None else stack.enter_context(self.base.loaded(base_prefixes))
+            experts = {t: stack.enter_context(e.loaded(expert_prefixes)) for t, e in self.experts.items()}
+            yield base, experts
+
+    def block(self, index: int):
+        leaves = leaves_stage(self.family, self.like, index)
+        return self._loaded([self.blocks[index]], [self.blocks[index]] + (self.outer if leaves else []))
+
+    def pooler(self):
+        where = [module_prefix(self.like, self.family.pooler(self.like))]
+        return self._loaded(where, where)
+
+    def enter_experts(self, family: Family, batches) -> dict:
+        streams = {}
+        for task, task_batches in batches.items():
+            if not task_batches:  # possible on one process of a data-parallel run
+                streams[task] = []
+                continue
+            with self.experts[task].loaded(self.outer) as expert:
+                streams[task] = [family.enter(expert, b) for b in task_batches]
+        return streams
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no init); buffers
+    (position ids, rotary frequencies) stay real, since the config derives them."""
+    from transformers.initialization import no_init_weights
+
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=False)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        with no_init_weights():
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def empty_backbone(ref: str | os.PathLike) -> nn.Module:
+    """The backbone a checkpoint's config describes, with every parameter on the meta device:
+    the shape lazy loading reads into, without holding a model in memory."""
+    from transformers import AutoConfig, AutoModel
+
+    config = AutoConfig.from_pretrained(resolve_model_ref(ref))
+    with _parameters_on_meta():
+        model = AutoModel.from_config(config)
+    return model.eval()
+
+
 def calibrate_lazy(
     merged: nn.Module,
     base_dir: str | os.PathLike,
@@ -334,64 +408,20 @@ def calibrate_lazy(
     reduce_sums: SumReducer | None = None,
 ) -> CalibrationResult:
     """`featcal.calibrate.calibrate` with the base and the experts read from safetensors folders
-    one block at a time, instead of loaded whole.
+    one block at a time (`LazyWeights`), instead of loaded whole.
 
     `merged` is in memory (it becomes the calibrated model). `base_dir` and `expert_dirs[task]` are
     Hugging Face model folders (task models or bare backbones, single-file or sharded). Parameters
-    are cast to the merged model's dtypes. Holds at once: the merged backbone, block ℓ of the base
-    and of each expert, the calibration activations; each expert's embeddings only while its
-    stream is built. Gives the same result as `calibrate` with the same experts loaded whole.
+    are cast to the merged model's dtypes. Gives the same result as `calibrate` with the same
+    experts loaded whole.
     """
-    config = config or FeatCalConfig()
     family = family or family_for(merged)
-    student = family.backbone(merged)
-    if not inplace:
-        student = copy.deepcopy(student)
-    student.eval()
-    missing = set(batches) - set(expert_dirs)
-    if missing:
-        raise KeyError(f"calibration data for tasks without an expert: {sorted(missing)}")
-    base = LazyBackbone(student, CheckpointReader(base_dir))
-    experts = {t: LazyBackbone(student, CheckpointReader(expert_dirs[t])) for t in batches}
-    outer = outer_prefixes(family, student)
-    blocks = block_prefixes(family, student)
-
-    student_streams = enter_streams(family, student, batches)
-    expert_streams = {}
-    for task, task_batches in batches.items():
-        if not task_batches:  # possible on one process of a data-parallel run
-            expert_streams[task] = []
-            continue
-        with experts[task].loaded(outer) as expert:
-            expert_streams[task] = [family.enter(expert, b) for b in task_batches]
-
-    n_blocks = len(blocks)
-    drift, reports = [], []
-    for index in tqdm(range(n_blocks), desc="featcal (lazy)", unit="layer", disable=not progress):
-        needed = [blocks[index]] + (outer if leaves_stage(family, student, index) else [])
-        with contextlib.ExitStack() as stack:
-            base_bb = stack.enter_context(base.loaded([blocks[index]]))
-            expert_bbs = {t: stack.enter_context(e.loaded(needed)) for t, e in experts.items()}
-            result = calibrate_block(
-                family, index, student, base_bb, expert_bbs, student_streams, expert_streams, config,
-                last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
-            )
-        student_streams, expert_streams = result.student_next, result.expert_next
-        drift.append(result.drift)
-        reports.extend(result.reports)
-        del result  # this block's moments are not kept while the next block gathers its own
-    pooler = family.pooler(student)
-    if config.calibrate_pooler and pooler is not None:
-        where = [module_prefix(student, pooler)]
-        with contextlib.ExitStack() as stack:
-            base_bb = stack.enter_context(base.loaded(where))
-            expert_bbs = {t: stack.enter_context(e.loaded(where)) for t, e in experts.items()}
-            reports.extend(
-                calibrate_pooler(
-                    family, student, base_bb, expert_bbs, student_streams, expert_streams, config, reduce_moments
-                )
-            )
-    return CalibrationResult(student, drift, reports)
+    check_tasks(batches, expert_dirs)
+    student = student_backbone(family, merged, inplace)
+    weights = LazyWeights(family, student, base_dir, {t: expert_dirs[t] for t in batches})
+    result = walk_all(family, student, weights, batches, config or FeatCalConfig(), progress=progress,
+                      desc="featcal (lazy)", reduce_moments=reduce_moments, reduce_sums=reduce_sums)
+    return CalibrationResult(student, result.drift, result.reports)
 
 
 # --- merging tensor group by tensor group, writing shard by shard -----------------------------------
@@ -587,6 +617,7 @@ def _write_config(src: Path, dst: Path, stripped: bool) -> None:
 
 
 __all__ = [
-    "CheckpointReader", "LazyBackbone", "ShardWriter", "calibrate_lazy", "lazy_merge", "meta_skeleton",
+    "CheckpointReader", "LazyBackbone", "LazyWeights", "ShardWriter", "calibrate_lazy", "empty_backbone", "lazy_merge",
+    "meta_skeleton",
     "parse_size",
 ]

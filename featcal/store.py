@@ -2,56 +2,105 @@
 
 Each array is written as a single shard (inner chunks of `chunk_rows` examples), so a layer is a
 handful of files however many examples it holds: pushing and pulling through a DVC remote stays fast.
-Groups are written under a temporary name and renamed into place only when complete.
+Every chunk carries a crc32c checksum after its compressor, so a damaged byte fails the read with
+an error naming the store and the array (DVC's own hashes only see a file whose mtime changed).
+Floating arrays may be stored in a narrower dtype (`StoreFormat`); bfloat16, which numpy lacks, is
+kept as its 16-bit pattern and reinterpreted on read. Groups are written under a temporary name and
+renamed into place only when complete.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 import torch
 import zarr
+from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
 
 from .modeling import atomic_dir
 
 
-def _numpy(value) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                  "float64": torch.float64}
+COMPRESSORS = ("none", "zstd", "gzip")
+TORCH_DTYPE_ATTR = "torch_dtype"   # set on arrays whose numpy dtype is not the tensor's (bfloat16)
+
+
+@dataclass(frozen=True)
+class StoreFormat:
+    """How floating arrays are stored: `dtype` (None keeps each array's own) and a compressor."""
+
+    dtype: str | None = None
+    compressor: str = "zstd"
+    level: int = 3
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"storage dtype {self.dtype!r}: expected one of {sorted(STORAGE_DTYPES)}")
+        if self.compressor not in COMPRESSORS:
+            raise ValueError(f"compressor {self.compressor!r}: expected one of {COMPRESSORS}")
+
+    def codecs(self) -> list:
+        compressor = {"none": [], "zstd": [ZstdCodec(level=self.level)], "gzip": [GzipCodec(level=self.level)]}
+        return compressor[self.compressor] + [Crc32cCodec()]
+
+    def encode(self, value) -> tuple[np.ndarray, str | None]:
+        """The numpy array to store, and the torch dtype to restore on read where numpy has none."""
+        tensor = value.detach().cpu() if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+        if self.dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(STORAGE_DTYPES[self.dtype])
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).numpy(), "bfloat16"
+        return tensor.numpy(), None
 
 
 def write_group(
-    path: str | os.PathLike, arrays: Mapping[str, object], attrs: Mapping | None = None, chunk_rows: int = 16
+    path: str | os.PathLike, arrays: Mapping[str, object], attrs: Mapping | None = None, chunk_rows: int = 16,
+    fmt: StoreFormat = StoreFormat(),
 ) -> None:
     """Write named arrays (slash-separated names make subgroups) as one zarr group, atomically."""
     with atomic_dir(path) as tmp:
         group = zarr.open_group(str(tmp), mode="w")
         group.attrs.update(dict(attrs or {}))
         for name, value in arrays.items():
-            data = _numpy(value)
+            data, torch_dtype = fmt.encode(value)
             layout = {}
             if data.ndim:
                 rows = max(1, min(chunk_rows, data.shape[0]))
                 chunks = (rows,) + tuple(max(1, s) for s in data.shape[1:])
                 # one shard holds the whole array; its shape must be a multiple of the chunk shape
                 layout = {"chunks": chunks, "shards": (-(-max(1, data.shape[0]) // rows) * rows,) + chunks[1:]}
-            arr = group.create_array(name, shape=data.shape, dtype=data.dtype, **layout)
+            arr = group.create_array(name, shape=data.shape, dtype=data.dtype, compressors=fmt.codecs(), **layout)
             arr[...] = data
+            if torch_dtype is not None:
+                arr.attrs[TORCH_DTYPE_ATTR] = torch_dtype
+
+
+def _read_array(path: Path, name: str, arr) -> torch.Tensor:
+    try:
+        data = np.asarray(arr[...])
+    except Exception as exc:  # noqa: BLE001 - zarr reports checksum and codec failures in several types
+        raise OSError(f"{path}: array {name!r} cannot be read ({type(exc).__name__}: {exc}); the cache is damaged: "
+                      "delete it and re-run the stage that wrote it (or `dvc checkout --force` / `dvc pull`)") from None
+    tensor = torch.from_numpy(data)
+    if arr.attrs.get(TORCH_DTYPE_ATTR) == "bfloat16":
+        tensor = tensor.view(torch.bfloat16)
+    return tensor
 
 
 def read_group(path: str | os.PathLike, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """All arrays of a group (recursively, slash-separated names), as tensors."""
+    """All arrays of a group (recursively, slash-separated names), as tensors in their stored dtype."""
     path = Path(path)
     if not (path / "zarr.json").exists():
         raise FileNotFoundError(f"{path}: not a zarr group (missing zarr.json); was the producing stage run?")
     group = zarr.open_group(str(path), mode="r")
     out: dict[str, torch.Tensor] = {}
     for name, arr in group.arrays() if names is None else ((n, group[n]) for n in names):
-        out[name] = torch.from_numpy(np.asarray(arr[...]))
+        out[name] = _read_array(path, name, arr)
     if names is None:
         for sub_name, sub in group.groups():
             for name, value in read_group(path / sub_name).items():

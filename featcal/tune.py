@@ -49,10 +49,10 @@ from torch import Tensor, nn
 from .calibrate import HYPER_KEYS, FeatCalConfig
 from .data import TaskSplit, batches_from_arrays, read_split
 from .families import Family, family_for
-from .layerwise import calibrate_cached_block, merged_entry_states, stack_hidden
 from .modeling import atomic_file, load_backbone, load_classifier, load_tokenizer, with_backbone, write_json
 from .store import read_group
 from .train import accuracy
+from .walk import CachedExpertStates, ModuleWeights, walk_all
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,8 @@ class TuneProblem:
         self._expert_states = expert_states
         self._states: dict[int, Mapping[str, Tensor]] = {}
         self.n_blocks = len(self.family.blocks(self.merged))
-        self.entry_states = merged_entry_states(self.family, self.merged, self.batches)
+        self.weights = ModuleWeights(self.family.backbone(base).eval(),
+                                     {t: self.family.backbone(m).eval() for t, m in self.experts.items()})
         # scoring swaps backbones into copies of the task models; the experts stay untouched
         self._scorers = {t: copy.deepcopy(self.experts[t]).eval() for t in self.dev}
 
@@ -175,17 +176,15 @@ class TuneProblem:
         return self._states[layer]
 
     def calibrate(self, config: FeatCalConfig, after_block: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
-        """A calibrated copy of the merged backbone: the same walk as the calibrate-layer chain."""
+        """A calibrated copy of the merged backbone: the walk, with the experts' states from the cache."""
         backbone = copy.deepcopy(self.merged)
-        student = self.entry_states
-        for k in range(self.n_blocks):
-            last = k == self.n_blocks - 1
-            final = self.states(self.n_blocks) if last and config.calibrate_pooler else None
-            result = calibrate_cached_block(self.family, k, backbone, self.base, self.experts, self.batches,
-                                            student, self.states(k), config, final)
-            student = stack_hidden(result.student_next)
-            if after_block is not None and not last:
-                after_block(k, backbone)
+        on_block = None
+        if after_block is not None:
+            def on_block(k: int, _result) -> None:
+                if k < self.n_blocks - 1:
+                    after_block(k, backbone)
+        walk_all(self.family, backbone, self.weights, self.batches, config,
+                 expert_states=CachedExpertStates(self.states), on_block=on_block, progress=False)
         return backbone
 
     @torch.no_grad()

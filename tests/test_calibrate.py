@@ -7,8 +7,6 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from featcal.calibrate import FeatCalConfig, calibrate
-from featcal.families import family_for
-from featcal.layerwise import calibrate_cached_block, collect_expert_states, merged_entry_states, stack_hidden
 
 
 def tiny_bert(seed=0, layers=2):
@@ -91,28 +89,6 @@ def test_calibration_lowers_last_layer_drift():
     uncalibrated = calibrate(merged, base, experts, batches, FeatCalConfig(ridge=1e12, rho=1.0), progress=False)
     assert calibrated.drift[-1].l2 < uncalibrated.drift[-1].l2
     assert calibrated.drift[-1].cosine > uncalibrated.drift[-1].cosine
-
-
-def test_per_layer_steps_equal_the_in_process_driver():
-    base = tiny_bert(layers=3)
-    experts = {t: perturbed(base, i + 2, scale=0.1) for i, t in enumerate("ab")}
-    merged = task_arithmetic(base, experts.values())
-    batches = batches_for(experts)
-    config = FeatCalConfig(calibrate_pooler=True)
-    reference = calibrate(merged, base, experts, batches, config, progress=False).backbone.state_dict()
-
-    family = family_for(merged)
-    expert_layers = list(collect_expert_states(family, experts, batches))
-    student = copy.deepcopy(merged)
-    hidden = merged_entry_states(family, student, batches)
-    for index in range(3):
-        result = calibrate_cached_block(
-            family, index, student, base, experts, batches, hidden, expert_layers[index], config,
-            expert_out_hidden=expert_layers[-1],
-        )
-        hidden = stack_hidden(result.student_next)
-    for name, value in student.bert.state_dict().items():
-        assert torch.equal(value, reference[name]), name
 
 
 @pytest.mark.slow

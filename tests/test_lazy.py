@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModel, BertConfig, BertForSequenceClassification
 
-import featcal.lazy as lazy
+import featcal.walk as walk_module
 from featcal import merge_models
 from featcal.calibrate import FeatCalConfig, calibrate
 from featcal.lazy import CheckpointReader, LazyBackbone, block_group, calibrate_lazy, lazy_merge, parse_size
@@ -94,7 +94,7 @@ def test_sharded_experts_give_the_same_calibration_as_unsharded(setup):
 
 def test_lazy_calibration_holds_one_block_of_each_expert_at_a_time(setup, monkeypatch):
     seen = []
-    original = lazy.calibrate_block
+    original = walk_module.calibrate_block
 
     def spy(family, index, student, base_bb, expert_bbs, *args, **kwargs):
         prefix = family.block_prefix(student, index)
@@ -104,7 +104,7 @@ def test_lazy_calibration_holds_one_block_of_each_expert_at_a_time(setup, monkey
         seen.append(index)
         return original(family, index, student, base_bb, expert_bbs, *args, **kwargs)
 
-    monkeypatch.setattr(lazy, "calibrate_block", spy)
+    monkeypatch.setattr(walk_module, "calibrate_block", spy)
     result = calibrate_lazy(setup["merged"], setup["root"] / "base", setup["dirs"], batches_for("ab"), progress=False)
     assert seen == [0, 1, 2]
     assert all(p.device.type == "cpu" for p in result.backbone.parameters())

@@ -1,0 +1,245 @@
+"""The forward-order walk: the one loop over blocks that every FeatCal entry point runs.
+
+For each block k in [start, stop): capture the calibrated modules' inputs on the student's
+uncalibrated block and on each expert's own block, accumulate moments, solve in closed form,
+write the update, advance the student on the calibrated block (`calibrate.calibrate_block`).
+After the last block of the model, optionally the pooler pseudo-layer.
+
+Three things differ between callers, and each is passed in:
+
+- where weights come from (`BlockWeights`): modules in memory (`ModuleWeights`), or tensors read
+  per block from safetensors folders (`featcal.lazy.LazyWeights`);
+- where the experts' states come from (`ExpertStates`): carried forward by the walk itself
+  (`CarriedExpertStates`), or read per layer from a cache (`CachedExpertStates`);
+- how sums are reduced across processes (`reduce_moments`, `reduce_sums`; `featcal.distributed`).
+
+The in-process API walks 0..L in memory; `calibrate_lazy` walks 0..L with lazy weights; a tune
+trial walks 0..L with cached expert states; a `calibrate-layer@Lk` stage walks block k alone with
+lazy weights, cached expert states and the student states its predecessor wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Iterator, Mapping, Protocol, Sequence
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from .calibrate import (
+    BlockResult,
+    FeatCalConfig,
+    LayerDrift,
+    ModuleReport,
+    MomentReducer,
+    SumReducer,
+    calibrate_block,
+    calibrate_pooler,
+)
+from .families import Family, Stream
+
+Streams = dict[str, list[Stream]]
+Batches = Mapping[str, Sequence[Mapping[str, Tensor]]]
+
+
+# --- where weights come from ------------------------------------------------------------------------
+
+
+class BlockWeights(Protocol):
+    """The base's and the experts' backbones, holding (at least) the parameters a step needs."""
+
+    def block(self, index: int) -> ContextManager[tuple[nn.Module, dict[str, nn.Module]]]:
+        """(base backbone, {task: expert backbone}) with block `index` present."""
+
+    def pooler(self) -> ContextManager[tuple[nn.Module, dict[str, nn.Module]]]:
+        """The same with the pooler present."""
+
+    def enter_experts(self, family: Family, batches: Batches) -> Streams:
+        """Each expert's own stream entering block 0 on its task's batches."""
+
+
+@dataclass
+class ModuleWeights:
+    """Backbones held whole in memory."""
+
+    base: nn.Module
+    experts: dict[str, nn.Module]
+
+    def block(self, index: int) -> ContextManager[tuple[nn.Module, dict[str, nn.Module]]]:
+        return contextlib.nullcontext((self.base, self.experts))
+
+    def pooler(self) -> ContextManager[tuple[nn.Module, dict[str, nn.Module]]]:
+        return contextlib.nullcontext((self.base, self.experts))
+
+    def enter_experts(self, family: Family, batches: Batches) -> Streams:
+        return {t: [family.enter(self.experts[t], b) for b in bs] for t, bs in batches.items()}
+
+
+# --- where the experts' states come from ------------------------------------------------------------
+
+
+class ExpertStates(Protocol):
+    def at(self, index: int, like: Streams) -> Streams:
+        """The experts' streams entering block `index` (`like`: the student's streams there,
+        whose masks and extra block inputs a cached state is put into)."""
+
+    def advance(self, expert_next: Streams) -> None:
+        """Block outputs the walk computed for the experts (the streams entering the next block)."""
+
+
+class CarriedExpertStates:
+    """Each expert's block-k output, computed by the walk, is its stream entering block k+1."""
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+
+    def at(self, index: int, like: Streams) -> Streams:
+        return self.streams
+
+    def advance(self, expert_next: Streams) -> None:
+        self.streams = expert_next
+
+
+def split_like(hidden: Mapping[str, Tensor], like: Streams) -> Streams:
+    """Per task, cut stacked states [N, T, d] into `like`'s batches, each keeping that batch's mask
+    and extra block inputs (every block of a uniform family receives the same ones)."""
+    out: Streams = {}
+    for task, streams in like.items():
+        if task not in hidden:
+            raise KeyError(f"no cached hidden states for task {task!r} (cached: {sorted(hidden)})")
+        states, start, out[task] = hidden[task], 0, []
+        for stream in streams:
+            n = stream.hidden.shape[0]
+            part = states[start:start + n]
+            if part.shape != stream.hidden.shape:
+                raise ValueError(
+                    f"task {task!r}: cached states {tuple(states.shape)} do not match the calibration batches "
+                    f"(batch at example {start} has shape {tuple(stream.hidden.shape)})"
+                )
+            out[task].append(stream.with_hidden(part.to(stream.hidden.dtype)))
+            start += n
+        if start != states.shape[0]:
+            raise ValueError(f"task {task!r}: {states.shape[0]} cached examples, the batches hold {start}")
+    return out
+
+
+def stack_hidden(streams: Mapping[str, Sequence[Stream]]) -> dict[str, Tensor]:
+    """Per task, the batches' hidden states concatenated along examples ([N, T, d])."""
+    return {t: torch.cat([s.hidden for s in ss]) for t, ss in streams.items() if ss}
+
+
+class CachedExpertStates:
+    """The experts' states entering each block, read from a cache (`load(layer)` -> {task: [N, T, d]})."""
+
+    def __init__(self, load: Callable[[int], Mapping[str, Tensor]]):
+        self.load = load
+
+    def at(self, index: int, like: Streams) -> Streams:
+        return split_like(self.load(index), like)
+
+    def advance(self, expert_next: Streams) -> None:
+        pass
+
+
+# --- the walk ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class WalkResult:
+    drift: list[LayerDrift] = field(default_factory=list)
+    reports: list[ModuleReport] = field(default_factory=list)
+    student: Streams = field(default_factory=dict)   # the student's streams entering block `stop`
+
+
+def walk(
+    family: Family,
+    student: nn.Module,
+    weights: BlockWeights,
+    student_in: Streams,
+    experts: ExpertStates,
+    config: FeatCalConfig,
+    *,
+    start: int = 0,
+    stop: int | None = None,
+    reduce_moments: MomentReducer | None = None,
+    reduce_sums: SumReducer | None = None,
+    on_block: Callable[[int, BlockResult], None] | None = None,
+    progress: bool = True,
+    desc: str = "featcal",
+) -> WalkResult:
+    """Calibrate blocks `start`..`stop`−1 of the `student` backbone in place, in forward order.
+
+    `student_in` are the student's streams entering block `start`. When the walk reaches the end of
+    the model and `config.calibrate_pooler` is set, the pooler follows as a last pseudo-layer.
+    `on_block(k, result)` sees each block's result (moments, updates) before it is dropped.
+    """
+    n_blocks = len(family.blocks(student))
+    stop = n_blocks if stop is None else stop
+    if not 0 <= start < stop <= n_blocks:
+        raise ValueError(f"blocks {start}..{stop - 1}: the model has blocks 0..{n_blocks - 1}")
+    out = WalkResult(student=student_in)
+    for index in tqdm(range(start, stop), desc=desc, unit="layer", disable=not progress):
+        expert_in = experts.at(index, out.student)
+        with weights.block(index) as (base_bb, expert_bbs):
+            result = calibrate_block(
+                family, index, student, base_bb, expert_bbs, out.student, expert_in, config,
+                last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
+            )
+        if on_block is not None:
+            on_block(index, result)
+        experts.advance(result.expert_next)
+        out.student = result.student_next
+        out.drift.append(result.drift)
+        out.reports.extend(result.reports)
+        del result  # this block's moments are not kept while the next block gathers its own
+    if stop == n_blocks and config.calibrate_pooler and family.pooler(student) is not None:
+        expert_final = experts.at(n_blocks, out.student)
+        with weights.pooler() as (base_bb, expert_bbs):
+            out.reports.extend(calibrate_pooler(
+                family, student, base_bb, expert_bbs, out.student, expert_final, config, reduce_moments,
+            ))
+    return out
+
+
+def walk_all(
+    family: Family,
+    student: nn.Module,
+    weights: BlockWeights,
+    batches: Batches,
+    config: FeatCalConfig,
+    expert_states: ExpertStates | None = None,
+    **kwargs,
+) -> WalkResult:
+    """The whole model: enter the student (and, unless `expert_states` are given, the experts)
+    on the calibration batches, then walk blocks 0..L."""
+    student_in = {t: [family.enter(student, b) for b in bs] for t, bs in batches.items()}
+    if expert_states is None:
+        expert_states = CarriedExpertStates(weights.enter_experts(family, batches))
+    return walk(family, student, weights, student_in, expert_states, config, **kwargs)
+
+
+def require_uniform(family: Family) -> None:
+    """Cached states are put into the student's streams, which needs blocks that share their inputs."""
+    if not family.uniform_block_inputs:
+        raise ValueError(
+            f"cached per-layer states need blocks that share their extra inputs; family {family.name!r} "
+            "does not (calibrate in one process with featcal.calibrate instead)"
+        )
+
+
+@torch.no_grad()
+def expert_layer_states(family: Family, weights: BlockWeights, batches: Batches, n_blocks: int) -> Iterator[dict[str, Tensor]]:
+    """Yield, for layer 0..L, each expert's states entering that block (layer L: the last output).
+
+    Each expert runs its own forward on its own task's examples; one layer of states is held at a
+    time, and only the weights `weights.block(k)` holds.
+    """
+    require_uniform(family)
+    streams = weights.enter_experts(family, batches)
+    yield stack_hidden(streams)
+    for index in range(n_blocks):
+        with weights.block(index) as (_, experts):
+            streams = {t: [family.run_block(experts[t], index, s) for s in ss] for t, ss in streams.items()}
+        yield stack_hidden(streams)

@@ -1,0 +1,138 @@
+"""The one walk: every entry point gives the same weights, and one block's statistics and solution
+equal an independent weighted least squares on hooked activations."""
+
+import copy
+
+import pytest
+import torch
+
+from featcal import merge_models
+from featcal.calibrate import FeatCalConfig, calibrate
+from featcal.families import family_for
+from featcal.layerwise import calibrate_cached_layer, collect_expert_layers
+from featcal.lazy import calibrate_lazy
+from featcal.store import StoreFormat, read_group, write_group
+from featcal.tune import TuneProblem
+from featcal.walk import ModuleWeights, walk_all
+from test_calibrate import batches_for, perturbed, tiny_bert
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("walk")
+    base = tiny_bert(layers=3)
+    experts = {t: perturbed(base, i + 2, scale=0.1) for i, t in enumerate("ab")}
+    merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
+    base.save_pretrained(root / "base")
+    merged.save_pretrained(root / "merged")
+    for t, m in experts.items():
+        m.save_pretrained(root / t)
+    return dict(root=root, base=base, experts=experts, merged=merged, batches=batches_for(experts, n_batches=2))
+
+
+def chain(saved, config, fmt=StoreFormat("float32")):
+    """What the calibrate-layer chain does: each block a separate step, states through zarr stores."""
+    root, batches = saved["root"], saved["batches"]
+    dirs = {t: root / t for t in saved["experts"]}
+    for k, hidden in enumerate(collect_expert_layers(dirs, batches)):
+        write_group(root / f"features/layer_{k:02d}.zarr", hidden, fmt=fmt)
+    state, student = {}, None
+    for k in range(3):
+        out = calibrate_cached_layer(k, root / "merged", root / "base", dirs, batches, student,
+                                     lambda layer: read_group(root / f"features/layer_{layer:02d}.zarr"), config)
+        state.update(out.parameters)
+        write_group(root / f"student/layer_{k + 1:02d}.zarr", out.student_next, fmt=fmt)
+        student = read_group(root / f"student/layer_{k + 1:02d}.zarr")
+    return state
+
+
+def test_every_entry_point_gives_bit_identical_weights(saved):
+    config = FeatCalConfig(calibrate_pooler=True)
+    root, batches = saved["root"], saved["batches"]
+    in_process = calibrate(saved["merged"], saved["base"], saved["experts"], batches, config, progress=False)
+    reference = in_process.backbone.state_dict()
+
+    lazy = calibrate_lazy(saved["merged"], root / "base", {t: root / t for t in saved["experts"]}, batches, config,
+                          progress=False).backbone.state_dict()
+    expert_layers = list(collect_expert_layers({t: root / t for t in saved["experts"]}, batches))
+    problem = TuneProblem(saved["merged"], saved["base"], saved["experts"], batches, lambda k: expert_layers[k], {}, None)
+    tuned = problem.calibrate(config).state_dict()
+    per_layer = chain(saved, config)
+
+    calibrated = [n for n in reference if n.startswith(("encoder.layer.", "pooler."))]
+    assert len(per_layer) == len(calibrated)
+    for name in reference:
+        assert torch.equal(lazy[name], reference[name]), f"lazy: {name}"
+        assert torch.equal(tuned[name], reference[name]), f"tune objective: {name}"
+    for name in calibrated:
+        assert torch.equal(per_layer[name], reference[name]), f"per-layer chain: {name}"
+    # the walk really moved the weights (an identity would pass the comparisons above)
+    merged_state = saved["merged"].state_dict()
+    assert not torch.equal(reference["encoder.layer.1.output.dense.weight"], merged_state["encoder.layer.1.output.dense.weight"])
+    assert not torch.equal(reference["pooler.dense.weight"], merged_state["pooler.dense.weight"])
+
+
+def test_bfloat16_cached_states_change_the_weights_only_slightly(saved):
+    config = FeatCalConfig()
+    exact = chain(saved, config)
+    narrow = chain(saved, config, StoreFormat("bfloat16"))
+    worst = max(float(((narrow[n] - exact[n]).abs().max() / exact[n].abs().max())) for n in exact)
+    assert 0 < worst < 0.05, worst
+
+
+def hooked_inputs(model, module_name, batches):
+    """The rows entering `module_name` in a plain forward of the whole model (real tokens only)."""
+    rows = []
+    module = dict(model.named_modules())[module_name]
+    handle = module.register_forward_pre_hook(lambda _m, args: rows.append(args[0]))
+    try:
+        with torch.no_grad():
+            masks = []
+            for b in batches:
+                model(**b)
+                masks.append(b["attention_mask"].bool())
+    finally:
+        handle.remove()
+    return torch.cat([x[m] for x, m in zip(rows, masks)]).double()
+
+
+def test_block_statistics_and_solution_equal_an_independent_weighted_least_squares(saved):
+    base, experts, merged, batches = saved["base"], saved["experts"], saved["merged"], saved["batches"]
+    alpha, rho, ridge = 0.3, 1.8, 0.05
+    config = FeatCalConfig(alpha=alpha, rho=rho, ridge=ridge)
+    name = "attention.output.dense"     # block 0 (not the last: every token weighs 1)
+    seen = {}
+
+    def keep(k, result):
+        if k == 0:
+            seen.update(moments=result.moments[name], weight=result.updates[f"{name}.weight"])
+
+    student = copy.deepcopy(merged).eval()   # merge_models returns the backbone
+    weights = ModuleWeights(base.bert.eval(), {t: m.bert.eval() for t, m in experts.items()})
+    walk_all(family_for(merged), student, weights, batches, config, on_block=keep, progress=False)
+
+    full = f"encoder.layer.0.{name}"
+    rows, targets, omegas = [], [], {}
+    for task, expert in experts.items():
+        xs = hooked_inputs(merged, full, batches[task])
+        xe = hooked_inputs(expert.bert, full, batches[task])
+        n = xs.shape[0]
+        gram, cross = xs.T @ xs / n, xe.T @ xs / n
+        m = seen["moments"][task]
+        assert torch.allclose(m.gram, gram, rtol=1e-10, atol=1e-12), task
+        assert torch.allclose(m.cross_mean, cross, rtol=1e-10, atol=1e-12), task
+        omegas[task] = 1.0 / torch.linalg.matrix_norm(gram)
+        w_i = dict(expert.bert.named_modules())[full].weight.double()
+        xt = alpha * xe + (1 - alpha) * xs
+        scale = (omegas[task] / n).sqrt()
+        rows.append(scale * xs)
+        targets.append(scale * xt @ w_i.T)
+    w_mer = dict(merged.named_modules())[full].weight.double()
+    w_base = dict(base.bert.named_modules())[full].weight.double()
+    w_anc = rho * w_mer + (1 - rho) * w_base
+    d = w_mer.shape[1]
+    rows.append(ridge ** 0.5 * torch.eye(d, dtype=torch.float64))
+    targets.append(ridge ** 0.5 * w_anc.T)
+    solution = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
+    assert torch.allclose(seen["weight"], solution, rtol=1e-8, atol=1e-10)
+
