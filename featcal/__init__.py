@@ -13,14 +13,19 @@ from torch import nn
 from .calibrate import CalibrationResult, FeatCalConfig, calibrate
 from .families import family_for
 from .merging import MERGE_METHODS, merge_state_dicts
-from .modeling import load_task_model, save_multitask
+from .modeling import check_experts_fit_base, load_task_model, save_multitask
 
 
 def merge_models(
     base: nn.Module, experts: Mapping[str, nn.Module], method: str = "task_arithmetic", options: Mapping | None = None
 ) -> nn.Module:
-    """A copy of the base backbone holding the merge of the experts' backbones (heads untouched)."""
+    """A copy of the base backbone holding the merge of the experts' backbones (heads untouched).
+
+    Experts of another model type than the base, or with other tensors, or with NaN/Inf weights
+    are refused; an expert that looks like no fine-tune of the base gets a warning.
+    """
     family = family_for(base)
+    check_experts_fit_base(base, experts)
     merged = copy.deepcopy(family.backbone(base))
     state = merge_state_dicts(
         method, merged.state_dict(), [family.backbone(m).state_dict() for m in experts.values()], options

@@ -39,7 +39,8 @@ def read_split(tasks_dir: str | os.PathLike, task: str, split: str) -> TaskSplit
 def num_labels(tasks_dir: str | os.PathLike, task: str) -> int:
     path = Path(tasks_dir) / task / "labels.json"
     if path.exists():
-        return len(json.loads(path.read_text()))
+        record = json.loads(path.read_text())
+        return len(record["classes"] if isinstance(record, dict) else record)   # a list before the raw-label record
     return int(read_split(tasks_dir, task, "train").labels.max()) + 1
 
 

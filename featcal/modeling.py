@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
+import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -22,12 +25,56 @@ from .families.base import backbone_of
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 PACKAGE_PREFIX = "package:"
+# ‖θ_expert − θ_base‖ / ‖θ_base‖ over the backbone's weight matrices: fine-tunes stay far below
+# this (the demo's experts: ~0.01); a random init or another checkpoint of that shape lands near 1.4
+IMPLAUSIBLE_TASK_VECTOR_RATIO = 0.5
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class NonFiniteWeightsError(ValueError):
+    """A checkpoint or a model about to be written holds NaN or infinite values."""
+
+
+class ImplausibleExpertWarning(UserWarning):
+    """An expert looks like no fine-tune of the base (its task vector is as large as the base)."""
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "on", "yes", "true")
+
+
+def _is_hub_id(ref: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_cached(ref: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(ref, "config.json"), str)
 
 
 def resolve_model_ref(ref: str | os.PathLike) -> str:
-    """A local path, a hub id, or `package:<module>[/subdir]` (default subdir `model`)."""
+    """A local path, a hub id, or `package:<module>[/subdir]` (default subdir `model`).
+
+    A missing local path is an error naming it (not a hub "Repo id must be..." error), and so is
+    a hub id that is neither a local folder nor cached while hub downloads are off.
+    """
     ref = str(ref)
     if not ref.startswith(PACKAGE_PREFIX):
+        if Path(ref).exists():
+            return ref
+        if not _is_hub_id(ref):
+            raise FileNotFoundError(f"model reference {ref!r}: no such file or folder")
+        if _hub_offline() and not _hub_cached(ref):
+            raise FileNotFoundError(f"model reference {ref!r}: no such local folder, and no cached hub model of "
+                                    "that name (hub downloads are off: HF_HUB_OFFLINE=1)")
         return ref
     module, _, sub = ref[len(PACKAGE_PREFIX):].partition("/")
     spec = importlib.util.find_spec(module)
@@ -44,14 +91,105 @@ def load_tokenizer(ref: str):
 
 
 def load_backbone(ref: str) -> nn.Module:
-    """The bare backbone (`AutoModel`), e.g. the pretrained base."""
-    return AutoModel.from_pretrained(resolve_model_ref(ref)).eval()
+    """The bare backbone (`AutoModel`), e.g. the pretrained base; non-finite weights are an error."""
+    path = resolve_model_ref(ref)
+    return checked_load(AutoModel.from_pretrained(path), path)
 
 
 def load_classifier(ref: str, num_labels: int | None = None) -> nn.Module:
-    """A sequence-classification model; a new head is initialised when `num_labels` is given."""
+    """A sequence-classification model; a new head is initialised when `num_labels` is given.
+    Non-finite weights are an error naming the file and the tensor."""
     kwargs = {} if num_labels is None else {"num_labels": num_labels}
-    return AutoModelForSequenceClassification.from_pretrained(resolve_model_ref(ref), **kwargs).eval()
+    path = resolve_model_ref(ref)
+    return checked_load(AutoModelForSequenceClassification.from_pretrained(path, **kwargs), path)
+
+
+# --- weights checked where they enter and leave ----------------------------------------------------------
+
+
+def first_nonfinite(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str] | None:
+    """The name of the first floating tensor holding NaN or ±Inf, and how many of each."""
+    for name, value in tensors.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
+            return name, f"{nan} NaN and {inf} infinite values (of {value.numel()})"
+    return None
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Refuse tensors holding NaN or ±Inf, naming `where` (a file or a model) and the tensor."""
+    found = first_nonfinite(tensors)
+    if found is not None:
+        raise NonFiniteWeightsError(f"{where}: tensor {found[0]!r} holds {found[1]}")
+
+
+def _checkpoint_file(folder: Path, name: str, prefix: str) -> tuple[str, str]:
+    """The weight file of a folder holding tensor `name`, and the tensor's name in that file."""
+    candidates = [name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")]
+    for index in INDEX_FILES:
+        if (folder / index).is_file():
+            weight_map = json.loads((folder / index).read_text())["weight_map"]
+            key = next((k for k in candidates if k in weight_map), name)
+            return str(folder / weight_map.get(key, index)), key
+    for file in WEIGHT_FILES:
+        if (folder / file).is_file():
+            if file.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(folder / file, "pt") as handle:
+                    keys = set(handle.keys())
+                return str(folder / file), next((k for k in candidates if k in keys), name)
+            return str(folder / file), name
+    return str(folder), name
+
+
+def checked_load(model: nn.Module, path: str) -> nn.Module:
+    """`model` (just loaded from `path`) in eval mode, or an error naming the file and tensor
+    that hold NaN or ±Inf: such weights would silently turn every result into NaN."""
+    found = first_nonfinite(model.state_dict())
+    if found is not None:
+        file, key = _checkpoint_file(Path(path), found[0], getattr(model, "base_model_prefix", ""))
+        raise NonFiniteWeightsError(f"{file}: tensor {key!r} holds {found[1]}; the checkpoint is damaged "
+                                    "or its training diverged: re-create it")
+    return model.eval()
+
+
+def task_vector_ratio(base: Mapping[str, torch.Tensor], expert: Mapping[str, torch.Tensor]) -> float:
+    """‖θ_expert − θ_base‖ / ‖θ_base‖ over the weight matrices both hold (float64 sums). Norm
+    scales and biases are left out: they start equal (ones, zeros) in any two random inits."""
+    diff = norm = 0.0
+    for name, value in base.items():
+        if value.is_floating_point() and value.ndim >= 2 and name in expert:
+            value = value.double()
+            diff += float((expert[name].double() - value).pow(2).sum())
+            norm += float(value.pow(2).sum())
+    return math.sqrt(diff) / max(math.sqrt(norm), 1e-12)
+
+
+def check_experts_fit_base(base: nn.Module, experts: Mapping[str, nn.Module]) -> None:
+    """Experts must be of the base's model type, with its tensors, and finite; an expert whose
+    task vector is implausibly large for a fine-tune of the base gets a warning naming the ratio."""
+    base_type = getattr(getattr(base, "config", None), "model_type", None)
+    base_state = backbone_of(base).state_dict()
+    for task, expert in experts.items():
+        expert_type = getattr(getattr(expert, "config", None), "model_type", None)
+        if expert_type != base_type:
+            raise ValueError(f"expert {task!r} is a {expert_type!r} model ({type(expert).__name__}) but the base is a "
+                             f"{base_type!r} model ({type(base).__name__}); experts must be fine-tuned from the base")
+        state = backbone_of(expert).state_dict()
+        for name, value in base_state.items():
+            found = state.get(name)
+            if found is None or found.shape != value.shape:
+                shape = None if found is None else tuple(found.shape)
+                raise ValueError(f"expert {task!r}: tensor {name!r} has shape {shape}, the base's is {tuple(value.shape)}; "
+                                 "experts must be fine-tuned from the base")
+        check_finite(state, f"expert {task!r}")
+        ratio = task_vector_ratio(base_state, state)
+        if ratio > IMPLAUSIBLE_TASK_VECTOR_RATIO:
+            warnings.warn(f"expert {task!r}: its task vector is {ratio:.2f} times the base's norm "
+                          f"(‖θ_expert − θ_base‖ / ‖θ_base‖; above {IMPLAUSIBLE_TASK_VECTOR_RATIO} is implausible "
+                          "for a fine-tune): was it fine-tuned from this base, not from a random init or another "
+                          "checkpoint?", ImplausibleExpertWarning, stacklevel=2)
 
 
 def head_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -66,6 +204,33 @@ def with_backbone(task_model: nn.Module, backbone_state: Mapping[str, torch.Tens
     return task_model
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def temp_prefix(target: Path) -> str:
+    """The name prefix of a temporary sibling of `target`, tagged with this process's id."""
+    return f".{target.name}.tmp{os.getpid()}-"
+
+
+def remove_stale_temps(target: Path) -> None:
+    """Remove temporary siblings of `target` left by killed processes (their pid is gone), so a
+    killed stage leaves nothing behind once it runs again (inside a DVC output they would be cached)."""
+    pattern = re.compile(re.escape(f".{target.name}.tmp") + r"(\d+)-")
+    if not target.parent.is_dir():
+        return
+    for path in target.parent.iterdir():
+        match = pattern.match(path.name)
+        if match and not _alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
 class atomic_dir:
     """Write a folder under a temporary name and rename it into place only on success."""
 
@@ -74,7 +239,8 @@ class atomic_dir:
 
     def __enter__(self) -> Path:
         self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.", dir=self.target.parent))
+        remove_stale_temps(self.target)
+        self.tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(self.target), dir=self.target.parent))
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -115,7 +281,11 @@ def save_multitask(
     task_models: Mapping[str, nn.Module],
     tokenizer=None,
 ) -> None:
-    """Backbone via `save_pretrained` (safetensors) + one head folder per task, written atomically."""
+    """Backbone via `save_pretrained` (safetensors) + one head folder per task, written atomically.
+    Nothing is written when any tensor is NaN or infinite."""
+    check_finite(backbone.state_dict(), f"refusing to write {out_dir}: the backbone")
+    for task, model in task_models.items():
+        check_finite(head_state(model), f"refusing to write {out_dir}: the head of task {task!r}")
     with atomic_dir(out_dir) as tmp:
         backbone.save_pretrained(tmp)
         if tokenizer is not None:

@@ -19,6 +19,7 @@ train/dev/test splits; :func:`write_task` writes them atomically as
 from __future__ import annotations
 
 import bz2
+import difflib
 import html
 import importlib.util
 import inspect
@@ -109,8 +110,10 @@ class TaskSpec:
         allowed = {f.name for f in fields(cls)} - {"name"}
         unknown = sorted(set(map(str, mapping)) - allowed)
         if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(allowed), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(
-                f"{where}: unknown key {unknown[0]!r} (allowed keys: {', '.join(sorted(allowed))})"
+                f"{where}: unknown key {unknown[0]!r}{hint} (allowed keys: {', '.join(sorted(allowed))})"
             )
         if "source" not in mapping:
             raise ValueError(f"{where}: missing required key 'source'")
@@ -161,9 +164,14 @@ class TaskSpec:
                     raise ValueError(
                         f"{where}.label_map.{raw}: expected a class name or null, found {cls_name!r}"
                     )
-            kw["label_map"] = {
-                str(raw): (None if cls_name is None else str(cls_name)) for raw, cls_name in label_map.items()
-            }
+            kw["label_map"] = {}
+            for raw, cls_name in label_map.items():
+                key = _label_key(raw)
+                if key in kw["label_map"]:
+                    raise ValueError(
+                        f"{where}.label_map: raw labels {raw!r} and another key both normalise to {key!r}"
+                    )
+                kw["label_map"][key] = None if cls_name is None else str(cls_name)
             if all(v is None for v in kw["label_map"].values()):
                 raise ValueError(f"{where}.label_map: every raw label is mapped to null")
 
@@ -476,7 +484,9 @@ def _read_file(spec: TaskSpec) -> pd.DataFrame:
             frame = pd.read_parquet(path)
         elif suffix in (".csv", ".tsv"):
             sep = spec.options.get("sep", "\t" if suffix == ".tsv" else ",")
-            frame = pd.read_csv(path, sep=sep, encoding=spec.options.get("encoding", "utf-8"))
+            # only an empty field is missing: texts such as "NA", "None" or "null" are kept as text
+            frame = pd.read_csv(path, sep=sep, encoding=spec.options.get("encoding", "utf-8"),
+                                keep_default_na=False, na_values=[""], dtype={spec.text_field: str})
         else:
             frame = pd.read_json(path, lines=True, encoding=spec.options.get("encoding", "utf-8"))
     except (ValueError, OSError, UnicodeDecodeError) as err:
@@ -552,7 +562,9 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
         )
 
     text = raw[spec.text_field]
-    keep = text.notna().to_numpy() & raw[spec.label_field].notna().to_numpy()
+    missing_text = text.isna().to_numpy()
+    missing_label = raw[spec.label_field].isna().to_numpy() & ~missing_text
+    keep = ~missing_text & ~missing_label
     if not pd.api.types.is_string_dtype(text) and not pd.api.types.is_object_dtype(text):
         raise ValueError(f"{where}: text_field column {spec.text_field!r} holds {text.dtype}, not text")
     texts = text[keep].astype(str).str.strip()
@@ -597,38 +609,75 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
                 f"(expected train/dev/validation/test)"
             )
         out["split"] = splits.map(_SPLIT_ALIASES).to_numpy(dtype=object)
-    out = out[(out["label"] >= 0) & (out["text"].str.len() >= max(spec.min_chars, 1))]
-    out = out.reset_index(drop=True)
+    mapped_null = (out["label"] < 0).to_numpy()
+    short = ~mapped_null & (out["text"].str.len() < max(spec.min_chars, 1)).to_numpy()
+    dropped = {"missing text": int(missing_text.sum()), "missing label": int(missing_label.sum()),
+               "label mapped to null": int(mapped_null.sum()),
+               ("empty text" if spec.min_chars <= 1 else f"text under {spec.min_chars} characters"): int(short.sum())}
+    dropped = {reason: n for reason, n in dropped.items() if n}
+    out = out[~mapped_null & ~short].reset_index(drop=True)
+    if dropped:
+        log.info("task %s: dropped %d of %d rows: %s", spec.name, sum(dropped.values()), len(raw),
+                 ", ".join(f"{reason} {n}" for reason, n in dropped.items()))
     if out.empty:
         raise ValueError(f"{where}: no usable rows (non-empty text with a mapped label)")
+    present = sorted(set(out["label"]))
+    if len(present) < 2:
+        raise ValueError(
+            f"{where}: all {len(out)} usable rows have the same class {classes[present[0]]!r} "
+            f"(label_field {spec.label_field!r}); a classifier needs at least two classes"
+        )
     out.attrs["classes"] = classes
     out.attrs["source_file"] = raw.attrs.get("source_file", spec.source)
+    out.attrs["dropped"] = dropped
+    # every raw spelling found -> its class (null: dropped), so the normalisation can be checked
+    spellings = dict.fromkeys(str(v).strip() for v in raw_labels)
+    out.attrs["raw_labels"] = {
+        raw_value: (spec.label_map.get(_label_key(raw_value)) if spec.label_map is not None else _label_key(raw_value))
+        for raw_value in spellings
+    }
     return out
 
 
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _label_key(value: Any) -> str:
-    if isinstance(value, (float, np.floating)) and float(value).is_integer():
-        value = int(value)
-    return str(value).strip()
+    """One spelling per label value, so that 1, 1.0, "1" and " 1.0 " are one class ("1"), and
+    0.5 and "0.50" another ("0.5"); other text is only stripped."""
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    if isinstance(value, (float, np.floating)):
+        return _number_key(float(value))
+    text = str(value).strip()
+    if _NUMBER.fullmatch(text):
+        return _number_key(float(text))
+    return text
+
+
+def _number_key(number: float) -> str:
+    if math.isfinite(number) and number.is_integer():
+        return str(int(number))
+    return repr(number)
 
 
 def _dedupe(frame: pd.DataFrame, task: str) -> pd.DataFrame:
     """Keep one row per exact text; drop texts seen with conflicting labels. Where a text occurs
     in several source splits, the copy in test (then dev) wins so the source's test set is kept."""
-    n_before = len(frame)
     n_labels = frame.groupby("text")["label"].nunique()
     conflicting = set(n_labels.index[n_labels > 1])
-    frame = frame[~frame["text"].isin(conflicting)]
+    in_conflict = frame["text"].isin(conflicting)
+    frame = frame[~in_conflict]
     if "split" in frame.columns:
         priority = frame["split"].map({"test": 0, "dev": 1, "train": 2})
         frame = frame.assign(_p=priority).sort_values(["_p"], kind="stable").drop(columns="_p")
+    n_before = len(frame)
     frame = frame.drop_duplicates("text", keep="first")
-    dropped = n_before - len(frame)
-    if dropped:
-        log.info(
-            "task %s: removed %d duplicate rows (%d texts had conflicting labels and were dropped)",
-            task, dropped, len(conflicting),
-        )
+    dropped = {"duplicate text": n_before - len(frame), "text with conflicting labels": int(in_conflict.sum())}
+    if any(dropped.values()):
+        log.info("task %s: dropped %s", task, ", ".join(f"{reason} {n} rows" for reason, n in dropped.items() if n))
     return frame
 
 
@@ -751,12 +800,23 @@ def _draw(
     return out
 
 
-def write_task(splits: Mapping[str, pd.DataFrame], out_dir: str | Path, labels: list[str]) -> Path:
+def write_task(
+    splits: Mapping[str, pd.DataFrame],
+    out_dir: str | Path,
+    labels: list[str],
+    raw_labels: Mapping[str, str | None] | None = None,
+    dropped: Mapping[str, int] | None = None,
+) -> Path:
     """Write ``<out_dir>/{train,dev,test}.parquet`` (``text`` string, ``label`` int64) and
     ``labels.json`` atomically: everything goes to a temporary folder next to ``out_dir``, which
-    then replaces ``out_dir``; on failure nothing of it is left behind."""
+    then replaces ``out_dir``; on failure nothing of it is left behind (and what a killed run
+    left is removed by the next). ``labels.json`` holds ``classes`` (label i is ``classes[i]``),
+    ``raw_labels`` (each raw label spelling found -> its class, null: dropped) and ``dropped``
+    (rows left out at loading, per reason); see :func:`load_task_frame`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from .modeling import remove_stale_temps, temp_prefix
 
     out_dir = Path(out_dir)
     labels = [str(label) for label in labels]
@@ -773,7 +833,8 @@ def write_task(splits: Mapping[str, pd.DataFrame], out_dir: str | Path, labels: 
                 f"{out_dir}: split {split!r} column 'label' has {bad.iloc[0]!r} outside 0..{len(labels) - 1}"
             )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    remove_stale_temps(out_dir)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir), dir=out_dir.parent))
     try:
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; give it a normal folder's mode
         for split in SPLITS:
@@ -785,10 +846,11 @@ def write_task(splits: Mapping[str, pd.DataFrame], out_dir: str | Path, labels: 
                 }
             )
             pq.write_table(table, tmp / f"{split}.parquet")
-        (tmp / "labels.json").write_text(json.dumps(labels, indent=1) + "\n", encoding="utf-8")
+        record = {"classes": labels, "raw_labels": dict(raw_labels or {}), "dropped": dict(dropped or {})}
+        (tmp / "labels.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         old = None
         if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            old = Path(tempfile.mkdtemp(prefix=temp_prefix(out_dir) + "old-", dir=out_dir.parent))
             old.rmdir()
             out_dir.rename(old)
         tmp.rename(out_dir)

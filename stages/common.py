@@ -19,15 +19,37 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from featcal.data import CalibrationSpec  # noqa: E402
 from featcal.modeling import write_json  # noqa: E402
+from params_schema import ParamsError, validate, validate_tuned  # noqa: E402
 
 TIMING_DIR = Path("results/timing")
+TUNED_SECTIONS = {"featcal", "study"}   # tune/best.yaml, written by featcal.tune.write_best
 
 
-def load_params(path: str | os.PathLike = "params.yaml") -> dict:
+def load_params(path: str | os.PathLike = "params.yaml", *, check_chain: bool | None = None) -> dict:
+    """The params file, checked against the schema (stages/params_schema.py) before any model loads.
+
+    A bad value ends the stage with one line naming the key, the value and what is allowed.
+    `check_chain` (default: when DVC runs the stage) also compares stages/chain.yaml with the
+    params, since DVC expanded this stage from it. The tune stage's tune/best.yaml (top-level
+    `featcal` and `study` only) is read through here too: only its α, ρ, λ are checked.
+    """
     path = Path(path)
     if not path.is_file():
         raise SystemExit(f"params file {path} not found (run from the project root)")
-    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise SystemExit(f"{path}: not valid YAML: {err}") from None
+    if check_chain is None:
+        check_chain = "DVC_STAGE" in os.environ
+    try:
+        if isinstance(raw, dict) and set(raw) <= TUNED_SECTIONS and "study" in raw:
+            validate_tuned(raw)
+        else:
+            validate(raw, path.parent, chain=check_chain)
+    except ParamsError as err:
+        raise SystemExit(f"{path}: {err}") from None
+    return raw
 
 
 def get(params: dict, dotted: str, default=...):

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             frame = load_task_frame(spec)
             labels = frame.attrs["classes"]
             splits = split_task(frame, spec, seed=seed)
-            write_task(splits, args.out / spec.name, labels)
+            write_task(splits, args.out / spec.name, labels, frame.attrs["raw_labels"], frame.attrs["dropped"])
             tqdm.write(summarize(spec.name, splits, labels), file=sys.stdout)
     return 0
 

@@ -203,7 +203,7 @@ def test_write_task_writes_parquet_and_labels_and_replaces_atomically(tmp_path, 
     table = pq.read_table(out / "train.parquet")
     assert table.schema.names == ["text", "label"]
     assert str(table.schema.field("label").type) == "int64" and str(table.schema.field("text").type) == "string"
-    assert json.loads((out / "labels.json").read_text()) == ["a", "b", "c"]
+    assert json.loads((out / "labels.json").read_text())["classes"] == ["a", "b", "c"]
     assert {p.name for p in out.iterdir()} == {"train.parquet", "dev.parquet", "test.parquet", "labels.json"}
 
     # A failing rewrite leaves the previous output untouched and no temporary folder behind.
