@@ -148,7 +148,9 @@ def merge_per_matrix(
         if is_matrix(name, ref, exclude):
             delta = rule(name, [t.to(work_dtype or t.dtype) for t in taus])
             if delta.shape != ref.shape:
-                raise RuntimeError(f"tensor {name!r}: the matrix rule returned shape {tuple(delta.shape)}, expected {tuple(ref.shape)}")
+                raise RuntimeError(
+                    f"tensor {name!r}: the matrix rule returned shape {tuple(delta.shape)}, expected {tuple(ref.shape)}"
+                )
             delta = delta.to(ref.dtype)
         elif others == "average":
             delta = torch.stack(taus).mean(dim=0)
