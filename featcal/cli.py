@@ -25,9 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.command == "tune":
-        from .tune import run_cli
+        from .tune import StudyMismatchError, StudyStorageError, run_cli
 
-        run_cli(args, best_path=args.best, summary_path=args.summary)
+        try:
+            run_cli(args, best_path=args.best, summary_path=args.summary)
+        except (ValueError, KeyError, OSError, StudyMismatchError, StudyStorageError) as err:
+            # a bad input, said in one line (what, where, the fix) instead of a traceback
+            message = err.args[0] if isinstance(err, KeyError) and err.args else err
+            print(f"featcal tune: error: {message}", file=sys.stderr)
+            return 2
     return 0
 
 

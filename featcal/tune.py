@@ -28,9 +28,9 @@ import hashlib
 import logging
 import math
 import os
+import re
 import socket
 import statistics
-import tempfile
 import threading
 import time
 import warnings
@@ -303,6 +303,63 @@ class StudyMismatchError(RuntimeError):
     """The study's trials were scored on other inputs than the ones loaded now."""
 
 
+class StudyStorageError(RuntimeError):
+    """The study's storage (e.g. tune/study.db) is empty or damaged: its trials cannot be trusted."""
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+# scheme://user:password@host: a password in params would be recorded in dvc.lock (and git)
+_URL_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:[^/@\s]+@")
+
+
+def refuse_password(url: str | None, where: str) -> None:
+    """A storage URL from params must not carry a password; it belongs in ~/.pgpass (PostgreSQL),
+    ~/.my.cnf (MySQL) or an environment variable."""
+    if url and _URL_PASSWORD.match(url.strip()):
+        raise ValueError(f"{where}: the URL holds a password, and params are recorded in dvc.lock (and git). "
+                         "Leave it out: PostgreSQL reads it from ~/.pgpass or $PGPASSWORD, MySQL from ~/.my.cnf; "
+                         "or pass the whole URL in $FEATCAL_TUNE_STORAGE or --storage")
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a sqlite URL (None for other backends and in-memory databases)."""
+    parsed = sqlalchemy.engine.make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        return Path(parsed.database)
+    return None
+
+
+def _storage_fix(path: Path) -> str:
+    return (f"restore it (`dvc checkout {path}` or `dvc pull`), or delete it to start the study afresh "
+            "(its trials are then lost)")
+
+
+def check_sqlite_file(path: Path) -> None:
+    """An existing study file must be a sqlite database: an empty or overwritten one would
+    silently start a new study and redo the old trials."""
+    if not path.exists():
+        return
+    with open(path, "rb") as handle:
+        header = handle.read(len(SQLITE_HEADER))
+    if not header:
+        raise StudyStorageError(f"study file {path} is empty; {_storage_fix(path)}")
+    if header != SQLITE_HEADER:
+        raise StudyStorageError(f"study file {path} is not a sqlite database (damaged); {_storage_fix(path)}")
+
+
+@contextlib.contextmanager
+def _readable_storage(url: str | None) -> Iterator[None]:
+    """Turn a database error while opening a study into one naming the file and the fix."""
+    try:
+        yield
+    except sqlalchemy.exc.DatabaseError as err:
+        path = sqlite_path(url) if url else None
+        where = f"study file {path}" if path else f"study storage {redacted(url or '')}"
+        fix = _storage_fix(path) if path else "repair or restore the database"
+        raise StudyStorageError(f"{where} cannot be read ({type(err.orig or err).__name__}: "
+                                f"{str(err.orig or err)[:200]}); {fix}") from None
+
+
 def redacted(url: str) -> str:
     try:
         return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
@@ -311,12 +368,15 @@ def redacted(url: str) -> str:
 
 
 def make_storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> optuna.storages.RDBStorage:
-    """An RDB storage with heartbeats (dead workers' trials get failed); sqlite folders are created."""
-    parsed = sqlalchemy.engine.make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    """An RDB storage with heartbeats (dead workers' trials get failed); sqlite folders are created,
+    an empty or damaged sqlite file is an error naming it and the fix."""
+    path = sqlite_path(url)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     # workers starting together on a fresh database would race creating Optuna's tables
-    with ClaimLock(url, "<schema>")(), warnings.catch_warnings():
+    with ClaimLock(url, "<schema>")(), warnings.catch_warnings(), _readable_storage(url):
+        if path is not None:
+            check_sqlite_file(path)
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_s, grace_period=grace_s)
 
@@ -330,8 +390,9 @@ def open_study(storage: str | optuna.storages.BaseStorage, study_name: str, *, f
     """Create or load a maximising study; refuse one whose trials were scored on other inputs."""
     if isinstance(storage, str):
         storage = make_storage(storage)
-    study = optuna.create_study(storage=storage, study_name=study_name, direction="maximize",
-                                pruner=pruner or optuna.pruners.NopPruner(), load_if_exists=True)
+    with _readable_storage(getattr(storage, "url", None)):
+        study = optuna.create_study(storage=storage, study_name=study_name, direction="maximize",
+                                    pruner=pruner or optuna.pruners.NopPruner(), load_if_exists=True)
     if fingerprint is not None:
         known = study.user_attrs.get("fingerprint")
         if known is None:
@@ -370,9 +431,10 @@ def _flock(path: Path) -> Iterator[None]:
 
 class ClaimLock:
     """Serialises "count the study's trials, then create the next one" across workers, so that the
-    total is met exactly: a PostgreSQL/MySQL advisory lock for server databases, a file lock on
-    this machine for sqlite (its workers share the machine), a process lock otherwise. One lock
-    per (database, `study_name`); it also guards creating the tables (name "<schema>")."""
+    total is met exactly: a PostgreSQL/MySQL advisory lock for server databases, a file lock next to
+    the database for sqlite (in the project, not in a /tmp that another machine or container does
+    not share), a process lock otherwise. One lock per (database, `study_name`); it also guards
+    creating the tables (name "<schema>")."""
 
     def __init__(self, url: str | None, study_name: str):
         self.study_name = study_name
@@ -384,10 +446,10 @@ class ClaimLock:
         if self.backend in ("postgresql", "mysql", "mariadb"):
             self.engine = sqlalchemy.create_engine(url, poolclass=sqlalchemy.pool.NullPool)
         elif self.backend == "sqlite":
-            database = sqlalchemy.engine.make_url(url).database
-            if database not in (None, "", ":memory:"):
-                where = hashlib.blake2b(f"{Path(database).resolve()}/{study_name}".encode(), digest_size=10).hexdigest()
-                self.path = Path(tempfile.gettempdir()) / f"featcal-tune-{where}.lock"
+            database = sqlite_path(url)
+            if database is not None:
+                study = hashlib.blake2b(study_name.encode(), digest_size=6).hexdigest()
+                self.path = database.resolve().with_name(f".{database.name}.claim-{study}.lock")
         elif url:
             log.warning("storage backend %r: no cross-process claim lock; several workers may overshoot "
                         "the total by a few trials", self.backend)
@@ -446,6 +508,51 @@ class _Heartbeat:
             self.thread.join()
 
 
+def _machine() -> str | None:
+    """This machine's kernel boot and pid namespace: a process id means the same process only
+    where both match (containers sharing a hostname do not)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot), so a reused pid is not taken for it."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_identity() -> dict:
+    """Recorded on each trial a worker runs (user attr `process`)."""
+    return {"machine": _machine(), "pid": os.getpid(), "start": _start_ticks(os.getpid())}
+
+
+def worker_is_dead(trial: FrozenTrial) -> bool:
+    """Whether a running trial's worker ran on this machine and is gone (killed, crashed): then its
+    trial can be failed at once instead of after the heartbeat's grace period."""
+    process = trial.user_attrs.get("process")
+    if not process or process.get("machine") is None or process.get("machine") != _machine():
+        return False
+    return _start_ticks(process["pid"]) != process["start"]
+
+
+def fail_dead_workers(study: optuna.Study) -> list[int]:
+    """Fail the running trials of this machine's dead workers; they no longer count (and are rerun)."""
+    failed = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if worker_is_dead(trial):
+            study._storage.set_trial_user_attr(trial._trial_id, "dead_worker", True)  # noqa: SLF001
+            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)  # noqa: SLF001
+            failed.append(trial.number)
+            log.warning("trial %d: its worker (pid %s) is gone; failed, it will be run again",
+                        trial.number, trial.user_attrs["process"]["pid"])
+    return failed
+
+
 def _heartbeat_interval(study: optuna.Study) -> int | None:
     storage = study._storage  # noqa: SLF001 - Optuna exposes no public accessor
     get = getattr(storage, "get_heartbeat_interval", None)
@@ -468,30 +575,41 @@ def run_trials(
 
     Returns the numbers of the trials this call ran. Trial k samples with TPE seeded by
     (seed, k), so one worker reproduces the same trials whether it ran them in one go or resumed.
+    Running trials of dead workers are failed (and rerun): at once when the worker ran on this
+    machine, else when its heartbeat stops. With heartbeats, the call returns only once no trial
+    is running, so a trial whose worker was killed is never taken for a finished one.
     `enqueue`: parameters tried first when no trial has them yet (e.g. the defaults). Each trial
     records `wall_s` and `worker`; an exception in the objective fails the trial (recorded as
     `error`) and the run goes on; KeyboardInterrupt fails it as interrupted and stops.
     """
+    if n_trials < 1:
+        raise ValueError(f"n_trials must be >= 1, got {n_trials}")
     lock = lock or contextlib.nullcontext
     worker = worker or f"{socket.gethostname()}:{os.getpid()}"
     interval = _heartbeat_interval(study)
     ran: list[int] = []
+    waited_for: list[int] = []
     while True:
         with lock():
+            fail_dead_workers(study)
             if interval:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                     optuna.storages.fail_stale_trials(study)
             trials = study.get_trials(deepcopy=False)
+            running = [t.number for t in trials if t.state == TrialState.RUNNING]
             if sum(counts_toward_total(t) for t in trials) >= n_trials:
-                break
-            if enqueue is not None and not any(t.user_attrs.get("enqueued") and counts_toward_total(t) for t in trials):
-                study.enqueue_trial(dict(enqueue), user_attrs={"enqueued": True})
-            with warnings.catch_warnings():  # run_trials beats the heartbeat itself (study.optimize's job)
-                warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
-                trial = study.ask()
-            if interval:
-                study._storage.record_heartbeat(trial._trial_id)  # noqa: SLF001 - before the lock is released
+                if not (interval and running):
+                    break
+                trial = None
+            else:
+                trial = _claim(study, trials, enqueue, interval)
+        if trial is None:   # the total is claimed: wait until the other workers' trials end or die
+            if running != waited_for:
+                log.info("waiting for running trials %s of other workers", running)
+                waited_for = running
+            time.sleep(min(interval, 2))
+            continue
         study.sampler = optuna.samplers.TPESampler(seed=trial_seed(seed, trial.number),
                                                    n_startup_trials=startup_trials)
         trial.set_user_attr("worker", worker)
@@ -525,6 +643,20 @@ def run_trials(
         if on_trial is not None:
             on_trial(frozen)
     return ran
+
+
+def _claim(study: optuna.Study, trials: Sequence[FrozenTrial], enqueue: Mapping[str, float] | None,
+           interval: int | None) -> Trial:
+    """Create the next trial (under the claim lock), marked with the process that runs it."""
+    if enqueue is not None and not any(t.user_attrs.get("enqueued") and counts_toward_total(t) for t in trials):
+        study.enqueue_trial(dict(enqueue), user_attrs={"enqueued": True})
+    with warnings.catch_warnings():  # run_trials beats the heartbeat itself (study.optimize's job)
+        warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+        trial = study.ask()
+    trial.set_user_attr("process", process_identity())
+    if interval:
+        study._storage.record_heartbeat(trial._trial_id)  # noqa: SLF001 - before the lock is released
+    return trial
 
 
 # --- results --------------------------------------------------------------------------------------------
@@ -614,8 +746,9 @@ class TuneSettings:
         if "prune_after_layers" in values:
             values["prune_after_layers"] = tuple(int(k) for k in values["prune_after_layers"] or ())
         settings = cls(**values)
-        if settings.n_trials < 1:
-            raise ValueError(f"tune.n_trials must be >= 1, got {settings.n_trials}")
+        if isinstance(settings.n_trials, bool) or not isinstance(settings.n_trials, int) or settings.n_trials < 1:
+            raise ValueError(f"tune.n_trials must be an integer >= 1, got {settings.n_trials!r}")
+        refuse_password(settings.storage, "tune.storage")
         return settings
 
 
@@ -664,7 +797,10 @@ def tune_from_params(
     base_config = featcal_config(params)
     url = storage or os.environ.get("FEATCAL_TUNE_STORAGE") or settings.storage or DEFAULT_STORAGE
     name = study_name or settings.study_name
-    total = int(n_trials if n_trials is not None else settings.n_trials)
+    total = n_trials if n_trials is not None else settings.n_trials
+    if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+        raise ValueError(f"n_trials (--n-trials) must be an integer >= 1, got {total!r}")
+    rdb = make_storage(url)   # an empty or damaged study file fails here, before any model loads
     tasks = _enabled_tasks(params)
     problem = load_problem(base=params["model"]["base"], tasks=tasks,
                            max_length={t: _max_length(params, t) for t in tasks},
@@ -674,7 +810,7 @@ def tune_from_params(
     fingerprint = problem.fingerprint(base_config, settings.search)
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=settings.prune_startup_trials)
               if settings.prune_after_layers else None)
-    study = open_study(url, name, fingerprint=fingerprint, pruner=pruner)
+    study = open_study(rdb, name, fingerprint=fingerprint, pruner=pruner)
     study.set_user_attr("dev_dropped", {t: d.dropped for t, d in problem.dev.items()})
     existing = count_trials(study)
     log.info("study %r in %s: %d trials counted, target %d", name, redacted(url), existing, total)
@@ -700,10 +836,21 @@ def tune_from_params(
     return TuneOutcome(study, ran, existing, summary, best)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a total of trials)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", default="params.yaml", help="params file (tasks, tokens, calibration, featcal, tune)")
     parser.add_argument("--storage", help=f"SQLAlchemy URL of the study (default: tune.storage, else {DEFAULT_STORAGE})")
-    parser.add_argument("--n-trials", type=int, help="total trials wanted in the study (default: tune.n_trials)")
+    parser.add_argument("--n-trials", type=positive_int, help="total trials wanted in the study (default: tune.n_trials)")
     parser.add_argument("--study-name", help=f"study name (default: tune.study_name, else {DEFAULT_STUDY})")
 
 

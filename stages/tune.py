@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from common import setup_logging, timed
+from common import load_params, setup_logging, timed
 
-from featcal.tune import add_arguments, run_cli
+from featcal.tune import StudyMismatchError, StudyStorageError, add_arguments, run_cli
 
 
 def main() -> None:
@@ -23,8 +23,12 @@ def main() -> None:
     parser.add_argument("--snapshot", default="tune/study.db", help="sqlite copy of a server-side study")
     args = parser.parse_args()
     setup_logging()
+    load_params(args.params)   # the whole params file checked before any model loads
     with timed("tune"):
-        run_cli(args, best_path=args.best, summary_path=args.summary, snapshot_path=args.snapshot)
+        try:
+            run_cli(args, best_path=args.best, summary_path=args.summary, snapshot_path=args.snapshot)
+        except (StudyMismatchError, StudyStorageError) as err:
+            raise SystemExit(f"tune: {err}") from None
 
 
 if __name__ == "__main__":
