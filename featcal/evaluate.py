@@ -3,31 +3,67 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from .calibrate import LayerDrift, block_drift, enter_streams
+from .data import TaskSplit
 from .families import Family
+from .lazy import with_backbone_assigned
+from .train import accuracy
+from .walk import Streams, require_uniform, split_like
 
 Batches = Mapping[str, list[Mapping[str, Tensor]]]
+DRIFT_BATCH_SIZE = 32   # examples per batch when drift is measured on test examples
+
+
+def _drift_by_layer(family: Family, candidate: nn.Module, batches: Batches, expert_bbs: Mapping[str, nn.Module],
+                    expert_after: Callable[[int, Streams], Streams]) -> list[LayerDrift]:
+    """The candidate runs its own forward; after each block k its outputs are compared with the
+    experts' (`expert_after(k, candidate streams)`)."""
+    cand_bb = family.backbone(candidate).eval()
+    cand = enter_streams(family, cand_bb, batches)
+    out = []
+    for index in range(len(family.blocks(cand_bb))):
+        cand = {t: [family.run_block(cand_bb, index, s) for s in ss] for t, ss in cand.items()}
+        out.append(block_drift(family, index, cand_bb, expert_bbs, cand, expert_after(index, cand)))
+    return out
+
+
+@torch.no_grad()
+def drift_to_states(
+    family: Family, candidate: nn.Module, batches: Batches, expert_states: Callable[[int], Mapping[str, Tensor]]
+) -> list[LayerDrift]:
+    """Mean L2 distance and cosine similarity of the candidate's block outputs to the experts'
+    (`expert_states(k)`: each task's expert states entering block k, e.g. a cache), layer by layer,
+    over every real token of every example."""
+    require_uniform(family)
+    cand_bb = family.backbone(candidate).eval()
+    same = {t: cand_bb for t in batches}  # uniform families: a block's output is its stream's hidden state
+    return _drift_by_layer(family, candidate, batches, same, lambda k, cand: split_like(expert_states(k + 1), cand))
 
 
 @torch.no_grad()
 def layer_drift(family: Family, experts: Mapping[str, nn.Module], candidate: nn.Module, batches: Batches) -> list[LayerDrift]:
-    """Mean L2 distance and cosine similarity of the candidate's block outputs to each task's expert
-    (every real token of every example), layer by layer; both run their own full forward."""
-    cand_bb = family.backbone(candidate).eval()
+    """The same against the experts run in memory, each on its own task's batches (any family)."""
     exp_bbs = {t: family.backbone(experts[t]).eval() for t in batches}
-    cand = enter_streams(family, cand_bb, batches)
     exp = {t: [family.enter(exp_bbs[t], b) for b in bs] for t, bs in batches.items()}
-    out = []
-    for index in range(len(family.blocks(cand_bb))):
-        cand = {t: [family.run_block(cand_bb, index, s) for s in ss] for t, ss in cand.items()}
+
+    def advance(index: int, _cand: Streams) -> Streams:
+        nonlocal exp
         exp = {t: [family.run_block(exp_bbs[t], index, s) for s in ss] for t, ss in exp.items()}
-        out.append(block_drift(family, index, cand_bb, exp_bbs, cand, exp))
-    return out
+        return exp
+
+    return _drift_by_layer(family, candidate, batches, exp_bbs, advance)
+
+
+@torch.no_grad()
+def score_backbone(backbone: nn.Module, heads: Mapping[str, nn.Module], tokenizer, splits: Mapping[str, TaskSplit],
+                   max_length: Mapping[str, int]) -> dict[str, float]:
+    """Accuracy per task of `backbone` under each task's head (`featcal.lazy.load_head` models)."""
+    return {t: accuracy(with_backbone_assigned(heads[t], backbone), tokenizer, splits[t], max_length[t]) for t in heads}
 
 
 def summary(scores: Mapping[str, float]) -> dict[str, float]:

@@ -395,6 +395,28 @@ def empty_backbone(ref: str | os.PathLike) -> nn.Module:
     return model.eval()
 
 
+def load_head(expert_dir: str | os.PathLike) -> nn.Module:
+    """An expert's task model with only its head in memory (backbone on the meta device): enough to
+    save the head or, with `with_backbone_assigned`, to score any backbone of the family."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(resolve_model_ref(expert_dir))
+    with _parameters_on_meta():
+        model = AutoModelForSequenceClassification.from_config(config)
+    prefix = model.base_model_prefix + "."
+    head = [n for n, _ in model.named_parameters() if not n.startswith(prefix)]
+    model.load_state_dict(CheckpointReader(expert_dir).read(head), strict=False, assign=True)
+    return model.eval()
+
+
+def with_backbone_assigned(task_model: nn.Module, backbone: nn.Module) -> nn.Module:
+    """`task_model` reading `backbone`'s parameters (shared, not copied; the head is kept)."""
+    from .families.base import backbone_of
+
+    backbone_of(task_model).load_state_dict(backbone.state_dict(), assign=True)
+    return task_model
+
+
 def calibrate_lazy(
     merged: nn.Module,
     base_dir: str | os.PathLike,
@@ -618,6 +640,6 @@ def _write_config(src: Path, dst: Path, stripped: bool) -> None:
 
 __all__ = [
     "CheckpointReader", "LazyBackbone", "LazyWeights", "ShardWriter", "calibrate_lazy", "empty_backbone", "lazy_merge",
-    "meta_skeleton",
+    "load_head", "meta_skeleton", "with_backbone_assigned",
     "parse_size",
 ]

@@ -1,4 +1,8 @@
-"""DVC stage `evaluate`: assemble the calibrated model, score experts / merged / FeatCal on test."""
+"""DVC stage `evaluate`: assemble the calibrated model, score it on test, measure its drift.
+
+Only the calibrated model is scored here; the merged model's scores and drift come from
+`evaluate-merged` and the experts' from `finetune@<task>`, so an α experiment re-runs only this.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,15 @@ import glob
 import json
 
 import torch
-from common import TIMING_DIR, enabled_tasks, get, load_params, max_length, read_json, setup_logging, timed
+from common import TIMING_DIR, enabled_tasks, load_params, read_json, setup_logging, timed
+from evaluate_merged import evaluate_backbone
 from safetensors.torch import load_file
-from tqdm.auto import tqdm
 
-from featcal.data import calibration_subset, read_split, tokenize_batches
-from featcal.evaluate import drift_rows, gap_closed, layer_drift, summary
-from featcal.families import family_for
-from featcal.modeling import load_backbone, load_classifier, load_tokenizer, save_multitask, with_backbone, write_json
+from featcal.calibrate import LayerDrift
+from featcal.evaluate import drift_rows, gap_closed, summary
+from featcal.lazy import load_head
+from featcal.modeling import load_backbone, load_tokenizer, save_multitask, write_json
 from featcal.plots import plot_drift
-from featcal.train import accuracy
 
 
 def assemble(merged: torch.nn.Module, layer_files: list[str]) -> torch.nn.Module:
@@ -34,33 +37,21 @@ def main() -> None:
     setup_logging()
     params = load_params()
     tasks = enabled_tasks(params)
-    tasks_dir = get(params, "tasks_dir")
     with timed("evaluate"):
-        tokenizer = load_tokenizer("models/merged")
-        merged = load_backbone("models/merged")
-        layer_files = sorted(glob.glob("calib/layers/L*.safetensors"))
-        calibrated = assemble(load_backbone("models/merged"), layer_files)
-        experts = {t: load_classifier(f"experts/{t}") for t in tasks}
-        save_multitask("models/featcal", calibrated, experts, tokenizer)
-
-        scores = {"experts": {}, "merged": {}, "featcal": {}}
-        for task in tqdm(tasks, desc="evaluate", unit="task"):
-            test, length = read_split(tasks_dir, task, "test"), max_length(params, task)
+        calibrated = assemble(load_backbone("models/merged"), sorted(glob.glob("calib/layers/L*.safetensors")))
+        save_multitask("models/featcal", calibrated, {t: load_head(f"experts/{t}") for t in tasks},
+                       load_tokenizer("models/merged"))
+        scores, drift = evaluate_backbone(calibrated, params, tasks, "features/test")
+        merged = read_json("results/merged.json")
+        metrics = {
             # the expert's test accuracy was measured by finetune@<task> on this same split
-            scores["experts"][task] = read_json(f"results/experts/{task}.json")["test"]
-            model = load_classifier(f"experts/{task}")
-            for label, backbone in (("merged", merged), ("featcal", calibrated)):
-                scores[label][task] = accuracy(with_backbone(model, backbone.state_dict()), tokenizer, test, length)
-        metrics = {k: summary(v) for k, v in scores.items()}
+            "experts": summary({t: read_json(f"results/experts/{t}.json")["test"] for t in tasks}),
+            "merged": merged["test"],
+            "featcal": summary(scores),
+        }
         metrics["gap_closed"] = gap_closed(metrics["experts"]["avg"], metrics["merged"]["avg"], metrics["featcal"]["avg"])
         write_json("results/metrics.json", metrics)
-
-        n = int(get(params, "evaluate.drift_examples_per_task"))
-        seed = int(get(params, "seed"))
-        batches = {t: tokenize_batches(tokenizer, calibration_subset(read_split(tasks_dir, t, "test"), n, seed).texts,
-                                       max_length(params, t), 32) for t in tasks}
-        family = family_for(merged)
-        rows = drift_rows(layer_drift(family, experts, merged, batches), layer_drift(family, experts, calibrated, batches))
+        rows = drift_rows([LayerDrift(**d) for d in merged["drift"]], drift)
         write_json("results/drift.json", rows)
         plot_drift(rows, "results/plots/drift.png")
     timing = {f.split("/")[-1][:-5]: read_json(f) for f in sorted(glob.glob(f"{TIMING_DIR}/*.json"))}

@@ -289,7 +289,7 @@ def test_zero_experts_is_an_error():
 
 
 def test_unknown_method_error_lists_registered_methods():
-    with pytest.raises(ValueError, match=r"'slerp'.*average, dare, task_arithmetic, ties"):
+    with pytest.raises(ValueError, match=r"'slerp'.*average, dare, .*task_arithmetic, ties"):
         merge_state_dicts("slerp", {"a": torch.zeros(2)}, [{"a": torch.zeros(2)}])
 
 

@@ -5,7 +5,14 @@ import re
 import sys
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
+
+from featcal.calibrate import FeatCalConfig, calibrate
+from featcal.data import batches_from_arrays
+from featcal.modeling import load_backbone, load_classifier
+from featcal.store import read_group
 
 from tiny_project import make_project, run
 
@@ -30,7 +37,7 @@ def project(tmp_path_factory):
 def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(project):
     project, first = project
     expected = {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features",
-                "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}
+                "collect-test-features", "evaluate-merged", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}
     assert stages_run(first) == expected, first
     metrics = json.loads((project / "results/metrics.json").read_text())
     assert set(metrics) == {"experts", "merged", "featcal", "gap_closed"}
@@ -46,11 +53,42 @@ def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(projec
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     second = run([sys.executable, "-m", "dvc", "repro"], project)
     assert stages_run(second) == {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, second
-    assert {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features"} <= stages_skipped(second)
+    assert {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features",
+            "collect-test-features", "evaluate-merged"} <= stages_skipped(second)
     assert (project / "calib/layers/L01.safetensors").read_bytes() != before
 
     status = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
     assert "up to date" in status.lower(), status
+
+
+def test_the_dvc_chain_equals_one_in_process_calibration_bit_for_bit(project):
+    project, _ = project
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    tasks = list(params["tasks"])
+    batches = batches_from_arrays(read_group(project / "features/experts/inputs.zarr"), params["calibration"]["batch_size"])
+    merged = load_backbone(str(project / "models/merged"))
+    in_process = calibrate(merged, load_backbone(params["model"]["base"]),
+                           {t: load_classifier(str(project / "experts" / t)) for t in tasks}, batches,
+                           FeatCalConfig.from_mapping(params["featcal"]), progress=False).backbone.state_dict()
+    chain = {}
+    for path in sorted((project / "calib/layers").glob("L*.safetensors")):
+        chain.update(load_file(path))
+    assert len(chain) == sum(1 for n in in_process if n.startswith("encoder.layer."))
+    for name, value in chain.items():
+        assert torch.equal(value, in_process[name]), name
+
+
+def test_a_stage_is_out_of_date_when_library_code_it_runs_changes(project):
+    project, _ = project
+    family = project / "featcal/families/bert.py"
+    original = family.read_text()
+    try:
+        family.write_text(original + "\n# an edit\n")
+        status = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
+    finally:
+        family.write_text(original)
+    changed = set(re.findall(r"^(\S+):\s*$", status, flags=re.M))
+    assert {"calibrate-layer@L00", "calibrate-layer@L01", "collect-expert-features", "evaluate"} <= changed, status
 
 
 def test_compare_stages_write_their_results_outside_the_default_run(project):

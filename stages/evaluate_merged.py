@@ -1,0 +1,51 @@
+"""DVC stage `evaluate-merged`: the merged model's test accuracy and its per-layer drift to the experts.
+
+Depends on the merge, never on FeatCal's values, so an α experiment does not re-run it. Drift is
+measured against the experts' cached test states (`collect-test-features`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict
+
+from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
+
+from featcal.data import batches_from_arrays, read_split
+from featcal.evaluate import DRIFT_BATCH_SIZE, drift_to_states, score_backbone, summary
+from featcal.families import family_for
+from featcal.lazy import load_head
+from featcal.modeling import load_backbone, load_tokenizer, write_json
+from featcal.store import read_group
+
+
+def evaluate_backbone(backbone, params: dict, tasks: list[str], features: str) -> tuple[dict, list]:
+    """Test accuracy per task and per-layer drift to the experts' cached test states."""
+    tasks_dir = get(params, "tasks_dir")
+    heads = {t: load_head(f"experts/{t}") for t in tasks}
+    tokenizer = load_tokenizer("models/merged")
+    scores = score_backbone(backbone, heads, tokenizer, {t: read_split(tasks_dir, t, "test") for t in tasks},
+                            {t: max_length(params, t) for t in tasks})
+    inputs = read_group(f"{features}/inputs.zarr")
+    batches = {t: b for t, b in batches_from_arrays(inputs, DRIFT_BATCH_SIZE).items() if t in tasks}
+    drift = drift_to_states(family_for(backbone), backbone, batches,
+                            lambda k: read_group(f"{features}/layer_{k:02d}.zarr"))
+    return scores, drift
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--features", default="features/test", help="the experts' cached test states")
+    parser.add_argument("--out", default="results/merged.json")
+    args = parser.parse_args()
+    setup_logging()
+    params = load_params()
+    tasks = enabled_tasks(params)
+    with timed("evaluate-merged"):
+        scores, drift = evaluate_backbone(load_backbone("models/merged"), params, tasks, args.features)
+        write_json(args.out, {"test": summary(scores), "drift": [asdict(d) for d in drift]})
+    print(f"merged: test avg {summary(scores)['avg']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
