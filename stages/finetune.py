@@ -8,7 +8,7 @@ import torch
 from common import get, load_params, max_length, setup_logging, timed
 
 from featcal.data import num_labels, read_split
-from featcal.modeling import atomic_dir, load_classifier, load_tokenizer, write_json
+from featcal.modeling import atomic_dir, check_finite, load_classifier, load_tokenizer, write_json
 from featcal.train import FinetuneConfig, accuracy, finetune
 
 
@@ -38,6 +38,7 @@ def main() -> None:
             model = load_classifier(base_ref, num_labels=num_labels(tasks_dir, task))
             model = finetune(model, tokenizer, read_split(tasks_dir, task, "train"), config)
         scores = {s: accuracy(model, tokenizer, read_split(tasks_dir, task, s), length) for s in ("dev", "test")}
+        check_finite(model.state_dict(), f"refusing to write experts/{task}: the {'given' if existing else 'fine-tuned'} model")
         with atomic_dir(f"experts/{task}") as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)

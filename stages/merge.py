@@ -14,7 +14,8 @@ from common import enabled_tasks, get, load_params, max_length, setup_logging, t
 from featcal import merge_models
 from featcal.compare import load_workbench
 from featcal.merging.sigmerge import plot_admitted
-from featcal.modeling import load_backbone, load_classifier, load_tokenizer, save_multitask, write_json
+from featcal.modeling import (check_experts_fit_base, load_backbone, load_classifier, load_tokenizer,
+                              save_multitask, write_json)
 from featcal.signatures import run_sigmerge
 
 RECORD_DIR = Path("results/merge")
@@ -33,6 +34,7 @@ def main() -> None:
             shared = int(options.pop("shared_examples_per_task", 16))
             bench = load_workbench(base_ref, {t: f"experts/{t}" for t in tasks}, get(params, "tasks_dir"),
                                    {t: max_length(params, t) for t in tasks}, int(get(params, "seed")))
+            check_experts_fit_base(bench.base, bench.experts)   # what merge_models checks for the other methods
             merged, record = run_sigmerge(bench, options, shared)
             experts = bench.experts
             plot_admitted(record, RECORD_DIR / "admitted.png")

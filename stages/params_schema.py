@@ -21,10 +21,12 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from featcal.store import COMPRESSORS, STORAGE_DTYPES
+
 CHAIN_FILE = "stages/chain.yaml"
 HYPER_KEYS = ("alpha", "rho", "ridge")
-CACHE_DTYPES = ("float32", "bfloat16", "float16")
-CACHE_COMPRESSORS = ("none", "zstd", "gzip")
+CACHE_DTYPES = tuple(STORAGE_DTYPES)   # float32 | bfloat16 | float16 | float64 (models run in float64)
+CACHE_COMPRESSORS = COMPRESSORS
 SIGMERGE = "sigmerge"
 SIGMERGE_STAGE_OPTIONS = ("shared_examples_per_task",)  # read by stages/merge.py, not by the method
 # scheme://user:password@host — a password written into params would be recorded in dvc.lock
@@ -66,15 +68,12 @@ def integer(low: int | None = None, high: int | None = None) -> Parser:
 def real(low: float | None = None, high: float | None = None, *, low_open: bool = False) -> Parser:
     def parse(value, where: str) -> float:
         allowed = f"a finite number{_range_text(low, high, low_open)}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ParamsError(f"{where} = {value!r}: expected {allowed}")
-        value = float(value)
-        if not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ParamsError(f"{where} = {value!r}: expected {allowed}")
         below = value <= low if (low is not None and low_open) else (low is not None and value < low)
         if below or (high is not None and value > high):
             raise ParamsError(f"{where} = {value!r}: expected {allowed}")
-        return value
+        return float(value)
     return parse
 
 
@@ -433,6 +432,8 @@ def check_merge_options(method: str, options: Mapping, where: str, key_is_method
         else:
             build_options(method, {k: v for k, v in options.items()
                                    if not (method == SIGMERGE and k in SIGMERGE_STAGE_OPTIONS)})
+    except ParamsError:
+        raise
     except (TypeError, ValueError) as err:
         raise ParamsError(f"{options_where}: {err}") from None
     if method == SIGMERGE and "shared_examples_per_task" in options:

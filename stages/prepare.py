@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
+    if "DVC_STAGE" in os.environ:   # as a pipeline stage: the whole params file and the chain are checked
+        from common import load_params
+
+        load_params(args.params)
     specs, seed = read_specs(args.params)
     if args.only:
         unknown = sorted(set(args.only) - {s.name for s in specs})
@@ -59,9 +64,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with logging_redirect_tqdm():
         for spec in tqdm(specs, desc="prepare", unit="task", file=sys.stderr):
-            frame = load_task_frame(spec)
+            try:
+                frame = load_task_frame(spec)
+                splits = split_task(frame, spec, seed=seed)
+            except (ValueError, FileNotFoundError) as err:   # the task's data: one line naming task and file
+                raise SystemExit(f"prepare: {err}") from None
             labels = frame.attrs["classes"]
-            splits = split_task(frame, spec, seed=seed)
             write_task(splits, args.out / spec.name, labels, frame.attrs["raw_labels"], frame.attrs["dropped"])
             tqdm.write(summarize(spec.name, splits, labels), file=sys.stdout)
     return 0

@@ -1,0 +1,532 @@
+"""Every bad input gets a clear error (naming the key, file or task), and nothing wrong is trusted.
+
+Through the real entry points: the stages' params loading (`stages/common.load_params`, what every
+stage runs first), `stages/prepare.py`, the Python API (`merge_models`, loading and saving models),
+the `featcal tune` CLI and the study plumbing, and — for what only a real pipeline shows — `dvc repro`
+and `dvc exp run` on one shared tiny project: nothing is recorded in dvc.lock when a stage refuses.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import optuna
+import pandas as pd
+import pytest
+import torch
+import yaml
+from optuna.trial import TrialState
+from safetensors.torch import load_file, save_file
+from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2Model, RobertaConfig,
+                          RobertaForSequenceClassification)
+
+from featcal import cli, merge_models, tune
+from featcal.modeling import (ImplausibleExpertWarning, NonFiniteWeightsError, load_backbone, load_classifier,
+                              save_multitask)
+from featcal.store import write_group
+from tiny_project import ROOT, make_base, make_project, make_tasks, run, tiny_params
+
+sys.path.insert(0, str(ROOT / "stages"))
+import common  # noqa: E402  (stages/common.py: what every stage runs first)
+import gen_chain  # noqa: E402
+import prepare  # noqa: E402
+
+DVC = [sys.executable, "-m", "dvc"]
+
+
+def tiny_bert_classifier(seed: int = 0, hidden: int = 32) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=19, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    return BertForSequenceClassification(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 2-layer BERT base, two synthetic tasks, their params, and models of other types."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    make_base(root / "base")
+    params = tiny_params(root / "base", make_tasks(root / "raw"))
+    torch.manual_seed(0)
+    roberta = RobertaForSequenceClassification(RobertaConfig(
+        vocab_size=19, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=66))
+    roberta.save_pretrained(root / "roberta")
+    GPT2Model(GPT2Config(vocab_size=19, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(root / "gpt2")
+    make_base(root / "base3", layers=3)
+    chain = write_chain(root / "chain", params)
+    return SimpleNamespace(root=root, params=params, chain=chain)
+
+
+def write_chain(folder: Path, params: dict) -> Path:
+    """stages/chain.yaml for `params`, written by stages/gen_chain.py itself."""
+    (folder / "stages").mkdir(parents=True)
+    (folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    argv = sys.argv
+    sys.argv = ["gen_chain.py", "--params", str(folder / "params.yaml"), "--out", str(folder / "stages/chain.yaml")]
+    try:
+        gen_chain.main()
+    finally:
+        sys.argv = argv
+    return folder / "stages/chain.yaml"
+
+
+def refused(tiny, tmp_path, edit, chain: Path | None = None) -> str:
+    """The one-line error with which a stage stops on the tiny params changed by `edit`."""
+    params = copy.deepcopy(tiny.params)
+    edit(params)
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages/chain.yaml").write_bytes((chain or tiny.chain).read_bytes())
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    with pytest.raises(SystemExit) as err:
+        common.load_params(path, check_chain=True)
+    message = str(err.value.code)
+    assert isinstance(err.value.code, str) and message.startswith(str(path)), message   # exit status 1
+    return message
+
+
+def setter(dotted: str, value):
+    def edit(params):
+        *parents, last = dotted.split(".")
+        node = params
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return edit
+
+
+# --- params: typos, types, ranges (silently wrong or unclear before) ------------------------------------
+
+
+PARAM_CASES = [
+    # (key set, value, what the message must say)
+    ("merge.optoins", {"scale": 0.3}, ["merge.optoins", "did you mean 'options'"]),
+    ("tokens.per_tsk", {"sentiment": 8}, ["tokens.per_tsk", "did you mean 'per_task'"]),
+    ("experts.paths", {"sentimnt": "x"}, ["experts.paths.sentimnt", "unknown task", "did you mean 'sentiment'"]),
+    ("tokens.per_task", {"topc": 8}, ["tokens.per_task.topc", "did you mean 'topic'"]),
+    ("finetune.overrides", {"topic": {"epocs": 1}}, ["finetune.overrides.topic.epocs", "did you mean 'epochs'"]),
+    ("seeed", 1, ["seeed", "did you mean 'seed'"]),
+    ("featcal.alpah", 0.3, ["featcal.alpah", "did you mean 'alpha'"]),
+    ("featcal.alpha", -1, ["featcal.alpha = -1", "[0, 1]"]),
+    ("featcal.alpha", 2, ["featcal.alpha = 2", "[0, 1]"]),
+    ("featcal.alpha", float("nan"), ["featcal.alpha = nan", "finite"]),
+    ("featcal.alpha", "abc", ["featcal.alpha = 'abc'", "a finite number"]),
+    ("featcal.rho", -1, ["featcal.rho = -1", "> 0"]),
+    ("featcal.ridge", -0.5, ["featcal.ridge = -0.5", ">= 0"]),
+    ("featcal.calibrate_bias", "yes", ["featcal.calibrate_bias = 'yes'", "true or false"]),
+    ("featcal.layer_overrides", {5: {"alpha": 0.5}}, ["featcal.layer_overrides.5", "2 blocks, 0..1"]),
+    ("featcal.layer_overrides", {1: {"alpha": 1.5}}, ["featcal.layer_overrides.1.alpha = 1.5", "[0, 1]"]),
+    ("calibration.examples_per_task", 0, ["calibration.examples_per_task = 0", ">= 1"]),
+    ("calibration.batch_size", 0, ["calibration.batch_size = 0", ">= 1"]),
+    ("tokens.max_length", 0, ["tokens.max_length = 0", ">= 1"]),
+    ("tokens.max_length", 512, ["tokens.max_length = 512", "only 64 positions"]),
+    ("finetune.learning_rate", 0, ["finetune.learning_rate = 0", "> 0"]),
+    ("evaluate.drift_examples_per_task", 0, ["evaluate.drift_examples_per_task = 0", ">= 1"]),
+    ("tune.n_trials", -3, ["tune.n_trials = -3", ">= 1"]),
+    ("tune.search", {"alpha": [0, 2]}, ["tune.search.alpha.high = 2", "[0, 1]"]),
+    ("tune.prune_after_layers", [1], ["tune.prune_after_layers[0] = 1", "blocks 0..0"]),
+    ("merge.method", "tiez", ["merge.method = 'tiez'", "did you mean 'ties'"]),
+    ("merge.options", {"scael": 0.3}, ["merge.options", "'scael'", "scale"]),
+    ("parallel.nproc_per_node", 0, ["parallel.nproc_per_node = 0", ">= 1"]),
+    ("cache.dtype", "float8", ["cache.dtype = 'float8'", "float32, bfloat16, float16"]),
+    ("cache.compressor", "lz4", ["cache.compressor = 'lz4'", "none, zstd, gzip"]),
+    ("compare.corruptions", ["typo"], ["compare.corruptions[0] = 'typo'", "did you mean 'typos'"]),
+    ("compare.surgery", {"iteratons": 5}, ["compare.surgery.iteratons", "did you mean 'iterations'"]),
+]
+
+
+@pytest.mark.parametrize("key, value, says", PARAM_CASES, ids=[f"{c[0]}={c[1]!r}" for c in PARAM_CASES])
+def test_bad_params_value_stops_the_stage_naming_key_value_and_allowed(tiny, tmp_path, key, value, says):
+    message = refused(tiny, tmp_path, setter(key, value))
+    for part in says:
+        assert part in message, message
+
+
+def test_task_spec_typo_names_the_task_and_suggests_the_key(tiny, tmp_path):
+    message = refused(tiny, tmp_path, lambda p: p["tasks"]["topic"].update(sorce="file:x.csv"))
+    assert "tasks.topic" in message and "'sorce'" in message and "did you mean 'source'" in message
+
+
+def test_no_enabled_task_is_refused(tiny, tmp_path):
+    message = refused(tiny, tmp_path, lambda p: [spec.update(enabled=False) for spec in p["tasks"].values()])
+    assert "tasks" in message and "no enabled task" in message
+
+
+def test_password_in_a_storage_url_is_refused_and_not_echoed(tiny, tmp_path):
+    message = refused(tiny, tmp_path, setter("tune.storage", "postgresql://me:s3cret@db.example/featcal"))
+    assert "tune.storage" in message and "~/.pgpass" in message and "s3cret" not in message
+
+
+def test_password_in_any_url_of_params_is_refused(tiny, tmp_path):
+    message = refused(tiny, tmp_path, setter("experts.paths", {"topic": "https://me:s3cret@hub.example/m"}))
+    assert "experts.paths.topic" in message and "password" in message and "s3cret" not in message
+
+
+# --- params against the models and the generated chain ---------------------------------------------------
+
+
+def test_missing_base_path_names_the_path_not_a_hub_repo_id(tiny, tmp_path):
+    message = refused(tiny, tmp_path, setter("model.base", str(tmp_path / "no/such/model")))
+    assert "model.base" in message and "no such file or folder" in message and "Repo id" not in message
+
+
+def test_unsupported_base_family_names_its_type_and_the_supported_ones(tiny, tmp_path):
+    message = refused(tiny, tmp_path, setter("model.base", str(tiny.root / "gpt2")))
+    assert "model.base" in message and "'gpt2'" in message and "bert" in message and "llama" in message
+
+
+def test_missing_expert_path_names_the_task_key_and_path(tiny, tmp_path):
+    missing = str(tmp_path / "experts/gone")
+    message = refused(tiny, tmp_path, setter("experts.paths", {"topic": missing}))
+    assert "experts.paths.topic" in message and missing in message and "Repo id" not in message
+
+
+def test_expert_of_another_model_type_names_both_types(tiny, tmp_path):
+    message = refused(tiny, tmp_path, setter("experts.paths", {"topic": str(tiny.root / "roberta")}))
+    assert "experts.paths.topic" in message and "'roberta'" in message and "'bert'" in message
+
+
+def test_new_task_without_regenerated_chain_says_run_gen_chain(tiny, tmp_path):
+    extra = {"source": tiny.params["tasks"]["topic"]["source"]}
+    message = refused(tiny, tmp_path, lambda p: p["tasks"].update(extra_task=extra))
+    assert "chain.yaml is stale" in message and "extra_task" in message and "python stages/gen_chain.py" in message
+
+
+def test_deeper_base_without_regenerated_chain_says_run_gen_chain(tiny, tmp_path):
+    message = refused(tiny, tmp_path, setter("model.base", str(tiny.root / "base3")))
+    assert "chain.yaml is stale" in message and "3 blocks" in message and "python stages/gen_chain.py" in message
+
+
+def test_use_tuned_switched_without_regenerated_chain_says_run_gen_chain(tiny, tmp_path):
+    message = refused(tiny, tmp_path, setter("featcal.use_tuned", True))
+    assert "featcal_params" in message and "tune/best.yaml" in message and "gen_chain.py" in message
+
+
+def test_tuned_values_out_of_range_are_refused(tmp_path):
+    best = tmp_path / "best.yaml"
+    best.write_text(yaml.safe_dump({"featcal": {"alpha": 1.7, "rho": 2.2, "ridge": 0.05}, "study": {"name": "s"}}))
+    with pytest.raises(SystemExit, match=r"best\.yaml: featcal\.alpha = 1\.7: .*\[0, 1\]"):
+        common.load_params(best)
+
+
+def test_good_params_pass_and_keep_get_working(tiny, tmp_path):
+    (tmp_path / "stages").mkdir()
+    (tmp_path / "stages/chain.yaml").write_bytes(tiny.chain.read_bytes())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny.params, sort_keys=False))
+    params = common.load_params(tmp_path / "params.yaml", check_chain=True)
+    assert common.get(params, "featcal.alpha") == 0.25 and common.enabled_tasks(params) == ["sentiment", "topic"]
+
+
+# --- task data -----------------------------------------------------------------------------------------------
+
+
+def prepare_task(tmp_path, monkeypatch, frame_or_text, suffix: str = ".csv", **spec) -> Path:
+    """Run stages/prepare.py (as a user outside DVC) on one file task; returns the output folder."""
+    monkeypatch.delenv("DVC_STAGE", raising=False)
+    source = tmp_path / f"source{suffix}"
+    if isinstance(frame_or_text, str):
+        source.write_text(frame_or_text)
+    else:
+        frame_or_text.to_parquet(source)
+    task = {"source": f"file:{source}", "max_train": 40, "n_dev": 6, "n_test": 6, **spec}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"tasks": {"toy": task}}))
+    prepare.main(["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "out")])
+    return tmp_path / "out" / "toy"
+
+
+def test_one_class_task_is_refused_naming_task_file_and_class(tmp_path, monkeypatch):
+    rows = "".join(f"text number {i},pos\n" for i in range(40))
+    with pytest.raises(SystemExit) as err:
+        prepare_task(tmp_path, monkeypatch, "text,label\n" + rows)
+    assert "'toy'" in str(err.value) and "source.csv" in str(err.value) and "'pos'" in str(err.value)
+    assert "at least two classes" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_labels_1_and_1_0_are_one_class_and_the_mapping_is_in_labels_json(tmp_path, monkeypatch):
+    labels = ["0", "0.0", "1", "1.0", " 1 "] * 10           # a string column, as parquet or hf sources keep it
+    frame = pd.DataFrame({"text": [f"example {i}" for i in range(len(labels))], "label": labels})
+    out = prepare_task(tmp_path, monkeypatch, frame, suffix=".parquet")
+    record = json.loads((out / "labels.json").read_text())
+    assert record["classes"] == ["0", "1"]
+    assert record["raw_labels"] == {"0": "0", "0.0": "0", "1": "1", "1.0": "1"}
+    assert set(pd.read_parquet(out / "train.parquet")["label"]) == {0, 1}
+
+
+def test_na_none_null_texts_are_kept_as_text(tmp_path, monkeypatch):
+    words = ["NA", "None", "null", "N/A", "nan"]
+    rows = "".join(f"{w},{i % 2}\n" for i, w in enumerate(words)) + "".join(f"row {i},{i % 2}\n" for i in range(40))
+    out = prepare_task(tmp_path, monkeypatch, "text,label\n" + rows)
+    texts = set().union(*(set(pd.read_parquet(out / f"{s}.parquet")["text"]) for s in ("train", "dev", "test")))
+    assert set(words) <= texts
+
+
+def test_dropped_rows_are_counted_per_reason(tmp_path, monkeypatch, caplog):
+    rows = ",a\n" + "only spaces   ,a\n".replace("only spaces", "  ") + "no label,\n" + "skip me,c\n"
+    rows += "".join(f"row {i},{'ab'[i % 2]}\n" for i in range(40))
+    with caplog.at_level("INFO", logger="featcal.tasks"):
+        out = prepare_task(tmp_path, monkeypatch, "text,label\n" + rows, label_map={"a": "A", "b": "B", "c": None})
+    dropped = json.loads((out / "labels.json").read_text())["dropped"]
+    assert dropped == {"missing text": 1, "missing label": 1, "label mapped to null": 1, "empty text": 1}
+    assert any("toy" in r.message and "missing label 1" in r.message for r in caplog.records)
+
+
+def test_label_map_keys_that_normalise_alike_are_refused(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit, match=r"tasks\.toy\.label_map.*'1'"):
+        prepare_task(tmp_path, monkeypatch, "text,label\nx,1\n", label_map={1: "one", "1.0": "uno"})
+
+
+# --- weights where they enter and leave -------------------------------------------------------------------
+
+
+def test_checkpoint_with_nan_names_file_and_tensor(tmp_path):
+    tiny_bert_classifier().save_pretrained(tmp_path / "expert")
+    file = tmp_path / "expert/model.safetensors"
+    tensors = load_file(file)
+    key = next(k for k in tensors if k.endswith("layer.1.output.dense.weight"))
+    tensors[key][0, 0] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeightsError) as err:
+        load_classifier(str(tmp_path / "expert"))
+    assert str(file) in str(err.value) and repr(key) in str(err.value) and "1 NaN" in str(err.value)
+    with pytest.raises(NonFiniteWeightsError, match=re.escape(str(file))):
+        load_backbone(str(tmp_path / "expert"))
+
+
+def test_missing_local_expert_path_is_not_a_hub_error(tmp_path):
+    for ref in (str(tmp_path / "experts/gone"), "experts/gone"):
+        with pytest.raises(FileNotFoundError, match=re.escape(repr(ref))) as err:
+            load_classifier(ref)
+        assert "Repo id" not in str(err.value)
+
+
+def test_merge_refuses_an_expert_with_inf_weights_naming_it_and_the_tensor():
+    base = tiny_bert_classifier()
+    bad = copy.deepcopy(base)
+    with torch.no_grad():
+        bad.bert.encoder.layer[0].intermediate.dense.weight[3, 3] = float("inf")
+    with pytest.raises(NonFiniteWeightsError, match=r"expert 'b'.*encoder\.layer\.0\.intermediate\.dense\.weight.*1 infinite"):
+        merge_models(base, {"a": copy.deepcopy(base), "b": bad})
+
+
+def test_merge_refuses_an_expert_of_another_family_naming_both():
+    torch.manual_seed(0)
+    roberta = RobertaForSequenceClassification(RobertaConfig(
+        vocab_size=19, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=66))
+    with pytest.raises(ValueError, match=r"expert 'b' is a 'roberta' model.*the base is a 'bert' model"):
+        merge_models(tiny_bert_classifier(), {"a": tiny_bert_classifier(), "b": roberta})
+
+
+def test_merge_refuses_an_expert_of_another_size_naming_task_and_tensor():
+    with pytest.raises(ValueError, match=r"expert 'wide': tensor 'embeddings\.word_embeddings\.weight' has shape"):
+        merge_models(tiny_bert_classifier(), {"wide": tiny_bert_classifier(hidden=48)})
+
+
+def test_expert_not_fine_tuned_from_the_base_warns_with_expert_and_ratio():
+    base = tiny_bert_classifier(seed=0)
+    tuned = copy.deepcopy(base)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.add_(1e-3 * torch.randn_like(p))
+    with pytest.warns(ImplausibleExpertWarning, match=r"expert 'random': its task vector is 1\.\d\d times") as caught:
+        merge_models(base, {"tuned": tuned, "random": tiny_bert_classifier(seed=7)})
+    assert not any("'tuned'" in str(w.message) for w in caught)
+
+
+def test_nothing_is_written_when_the_model_holds_nan(tmp_path):
+    model = tiny_bert_classifier()
+    with torch.no_grad():
+        model.bert.pooler.dense.bias[0] = float("nan")
+    with pytest.raises(NonFiniteWeightsError, match=r"refusing to write .*out.*pooler\.dense\.bias"):
+        save_multitask(tmp_path / "out", model.bert, {"a": model})
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_temporary_folders_of_a_killed_writer_are_removed_by_the_next_write(tmp_path):
+    dead = tmp_path / ".layer_01.zarr.tmp4194999-abc"        # above pid_max: that process is gone
+    live = tmp_path / f".layer_01.zarr.tmp{os.getpid()}-xyz"  # a writer still running: kept
+    dead.mkdir()
+    live.mkdir()
+    write_group(tmp_path / "layer_01.zarr", {"a": torch.zeros(3, 2)})
+    assert not dead.exists() and live.exists() and (tmp_path / "layer_01.zarr/zarr.json").exists()
+
+
+# --- tuning -------------------------------------------------------------------------------------------------
+
+
+KILLED_WORKER = textwrap.dedent("""
+    import sys, time
+    from featcal import tune
+    url = sys.argv[1]
+    study = tune.open_study(url, "killed")
+    def objective(trial):
+        x = trial.suggest_float("x", 0, 1)
+        if trial.number == 1:
+            print("in trial 1", flush=True)
+            time.sleep(600)
+        return x
+    tune.run_trials(study, objective, 3, lock=tune.ClaimLock(url, "killed"))
+""")
+
+
+def test_a_killed_workers_trial_is_never_counted_complete(tmp_path):
+    url = f"sqlite:///{tmp_path / 'tune/study.db'}"
+    worker = subprocess.Popen([sys.executable, "-c", KILLED_WORKER, url], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT)
+    assert worker.stdout.readline().strip() == "in trial 1"
+    os.kill(worker.pid, signal.SIGKILL)                      # kill -9 mid-trial: no heartbeat grace has passed
+    worker.wait(timeout=30)
+    study = tune.open_study(url, "killed")
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE, TrialState.RUNNING]
+    ran = tune.run_trials(study, lambda t: t.suggest_float("x", 0, 1), 3, lock=tune.ClaimLock(url, "killed"))
+    trials = study.get_trials()
+    assert trials[1].state == TrialState.FAIL and trials[1].user_attrs["dead_worker"] is True
+    assert ran == [2, 3] and sum(t.state == TrialState.COMPLETE for t in trials) == 3
+
+
+@pytest.mark.parametrize("content, says", [(b"", "is empty"), (b"\x00garbage" * 100, "not a sqlite database")])
+def test_empty_or_damaged_study_file_is_refused_naming_file_and_fix(tiny, tmp_path, capsys, content, says):
+    study = tmp_path / "tune/study.db"
+    study.parent.mkdir()
+    study.write_bytes(content)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny.params))
+    code = cli.main(["tune", "--params", str(tmp_path / "params.yaml"), "--storage", f"sqlite:///{study}"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(study) in err and says in err and "dvc checkout" in err and "delete it" in err
+    assert study.read_bytes() == content                     # not replaced by a fresh study
+
+
+def test_cli_refuses_n_trials_below_one(capsys):
+    with pytest.raises(SystemExit) as err:
+        cli.main(["tune", "--n-trials", "-3"])
+    assert err.value.code == 2 and "--n-trials" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_password_in_tune_storage_before_loading_anything(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)                               # no models/, experts/ here: nothing is loaded
+    params = copy.deepcopy(tiny.params)
+    params["tune"]["storage"] = "postgresql://me:s3cret@db.example/featcal"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    assert cli.main(["tune", "--params", "params.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "tune.storage" in err and "~/.pgpass" in err and "s3cret" not in err
+    assert list(tmp_path.iterdir()) == [tmp_path / "params.yaml"]
+
+
+def test_claim_lock_lives_next_to_the_study_not_in_tmp(tmp_path):
+    lock = tune.ClaimLock(f"sqlite:///{tmp_path / 'tune/study.db'}", "featcal-dev")
+    assert lock.path.parent == (tmp_path / "tune").resolve() and lock.path.name.startswith(".study.db.claim-")
+
+
+def test_run_trials_refuses_a_total_below_one(tmp_path):
+    study = optuna.create_study()
+    with pytest.raises(ValueError, match="n_trials must be >= 1, got 0"):
+        tune.run_trials(study, lambda t: 0.0, 0)
+
+
+# --- the real pipeline: nothing wrong is recorded in dvc.lock ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The tiny project after one full `dvc repro`."""
+    project = make_project(tmp_path_factory.mktemp("bad_inputs_dvc"))
+    run([*DVC, "repro"], project)
+    return project
+
+
+def dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run([*DVC, *args], cwd=project, env=env, capture_output=True, text=True)
+
+
+def restore_params(project: Path) -> None:
+    run(["git", "checkout", "--", "params.yaml"], project)
+
+
+@pytest.mark.slow
+def test_dvc_repro_with_a_typo_fails_before_recording_anything(project):
+    lock = (project / "dvc.lock").read_text()
+    merged = (project / "models/merged/model.safetensors").read_bytes()
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["merge"]["optoins"] = params["merge"].pop("options")
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        out = dvc(project, "repro")
+    finally:
+        restore_params(project)
+    assert out.returncode != 0 and "merge.optoins" in out.stderr and "did you mean 'options'" in out.stderr, out.stderr
+    assert (project / "dvc.lock").read_text() == lock
+    assert (project / "models/merged/model.safetensors").read_bytes() == merged
+
+
+@pytest.mark.slow
+def test_dvc_exp_run_set_non_number_alpha_fails_naming_the_key(project):
+    lock = (project / "dvc.lock").read_text()
+    try:
+        out = dvc(project, "exp", "run", "-S", "featcal.alpha=abc")
+    finally:
+        restore_params(project)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "featcal.alpha = 'abc'" in text and "a finite number in [0, 1]" in text, text
+    assert (project / "dvc.lock").read_text() == lock
+
+
+@pytest.mark.slow
+def test_dvc_repro_after_a_new_task_without_gen_chain_fails_before_any_stage_runs(project):
+    lock = (project / "dvc.lock").read_text()
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["tasks"]["extra"] = dict(params["tasks"]["topic"])
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        out = dvc(project, "repro")
+    finally:
+        restore_params(project)
+    assert out.returncode != 0 and "run `python stages/gen_chain.py`" in out.stderr and "'extra'" in out.stderr
+    assert "huggingface.co" not in out.stderr
+    assert (project / "dvc.lock").read_text() == lock and not (project / "data/tasks/extra").exists()
+
+
+@pytest.mark.slow
+def test_flipped_bytes_in_a_cached_shard_fail_the_next_stage_naming_store_and_array(project):
+    """Bit rot: same size, same mtime, so DVC sees nothing; the chunk checksum does."""
+    store = project / "features/experts/layer_01.zarr"
+    shard = max((p for p in store.rglob("*") if p.is_file() and p.name != "zarr.json"), key=lambda p: p.stat().st_size)
+    array = shard.relative_to(store).parts[0]
+    original, stat = shard.read_bytes(), shard.stat()
+    data = bytearray(original)
+    for i in range(len(data) // 4, len(data) // 4 + 16):     # inside the first chunks, away from the shard index
+        data[i] ^= 0xFF
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    try:
+        shard.write_bytes(bytes(data))
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert "up to date" in dvc(project, "status", "collect-expert-features").stdout.lower()   # DVC is blind to it
+        params = yaml.safe_load((project / "params.yaml").read_text())
+        params["featcal"]["alpha"] = 0.5
+        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        out = dvc(project, "repro")
+    finally:
+        restore_params(project)
+        shard.write_bytes(original)
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    failed = re.search(r"failed to reproduce '([^']+)'", out.stderr)
+    assert out.returncode != 0 and failed, out.stderr
+    assert str(Path("features/experts/layer_01.zarr")) in out.stderr and f"array {array!r}" in out.stderr, out.stderr
+    after = yaml.safe_load((project / "dvc.lock").read_text())
+    for stage in (failed.group(1), "evaluate"):               # neither recorded with the damaged input
+        assert after["stages"][stage] == lock["stages"][stage]
+    assert not math.isnan(json.loads((project / "results/metrics.json").read_text())["featcal"]["avg"])
