@@ -65,12 +65,12 @@ def main() -> None:
             write_group(f"calib/moments/{name}.zarr", packed, {"layer": k, **layout})
             write_group(f"calib/student/layer_{k + 1:02d}.zarr", student_next,
                         {"layer": k + 1, "drift_l2": out.drift.l2, "drift_cosine": out.drift.cosine}, fmt=fmt)
-    main_process = distributed.is_main()
+    main_process, world = distributed.is_main(), distributed.world_size()
     distributed.shutdown()
     bad = [r.module for r in out.reports if r.condition is not None and r.condition > ILL_CONDITIONED]
     if main_process:
-        print(f"{name}: calibration-set drift to experts l2 {out.drift.l2:.4f} cos {out.drift.cosine:.4f}"
-              + (f"; ill-conditioned: {bad}" if bad else ""))
+        print(f"{name}: calibration-set drift to experts l2 {out.drift.l2:.4f} cos {out.drift.cosine:.4f} "
+              f"({world} process{'es' if world > 1 else ''})" + (f"; ill-conditioned: {bad}" if bad else ""))
 
 
 if __name__ == "__main__":

@@ -89,10 +89,13 @@ def setup_logging() -> None:
 
 @contextmanager
 def timed(stage: str):
-    """Record the stage's wall seconds and peak resident memory in results/timing/<stage>.json."""
+    """Record the stage's wall seconds and peak resident memory in results/timing/<stage>.json
+    (under torchrun: rank 0's, so the ranks never write one file at once)."""
     start = time.perf_counter()
     yield
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if os.environ.get("RANK", "0") != "0":
+        return
     write_json(TIMING_DIR / f"{stage}.json", {"stage": stage, "wall_s": round(time.perf_counter() - start, 2),
                                               "peak_rss_mib": round(peak_mib, 1)})
 

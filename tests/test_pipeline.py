@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -134,3 +135,37 @@ def test_sigmerge_as_the_pipeline_merge_feeds_the_calibration_chain(project):
         # nothing admitted: SigMerge returned the anchor bit for bit, so DVC sees the same merged
         # model (the TA merge it replaced) and keeps the calibration
         assert not chain & ran, out
+
+
+def test_stages_under_torchrun_give_the_one_process_weights_in_float64(project, tmp_path):
+    """collect-expert-features and calibrate-layer with parallel.nproc_per_node 2 (each stage
+    re-launches itself under torchrun, gloo) equal the 1-process run to 1e-9 (see test_distributed
+    for why float64 and this tolerance)."""
+    project, _ = project
+    work = tmp_path / "p64"
+    shutil.copytree(project, work, symlinks=True, ignore=shutil.ignore_patterns(".dvc", ".git"))
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    tasks = list(params["tasks"])
+    load_backbone(params["model"]["base"]).double().save_pretrained(work / "base64")
+    load_backbone(str(project / "models/merged")).double().save_pretrained(work / "models/merged")
+    for t in tasks:
+        load_classifier(str(project / "experts" / t)).double().save_pretrained(work / "experts" / t)
+    params["model"]["base"] = str(work / "base64")
+    params["cache"]["dtype"] = "float64"
+
+    def run_stages(nproc: int) -> dict:
+        params["parallel"]["nproc_per_node"] = nproc
+        (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        run([sys.executable, "stages/collect_expert_features.py", "--split", "train", "--out", "features/experts"], work)
+        state = {}
+        for k in range(2):
+            out = run([sys.executable, "stages/calibrate_layer.py", "--layer", str(k)], work)
+            state.update(load_file(work / f"calib/layers/L{k:02d}.safetensors"))
+        return state, out
+
+    one, _ = run_stages(1)
+    two, log = run_stages(2)
+    assert "(2 processes)" in log, log
+    assert set(one) == set(two) and all(v.dtype == torch.float64 for v in one.values())
+    for name in one:
+        assert torch.allclose(two[name], one[name], rtol=1e-9, atol=1e-9), name
