@@ -46,7 +46,7 @@ from .calibrate import (
 )
 from .families import Family, family_for
 from .merging import build_options, merge_state_dicts
-from .modeling import atomic_dir, resolve_model_ref
+from .modeling import atomic_dir, check_finite, resolve_model_ref
 from .walk import walk_all
 
 SINGLE_FILE = "model.safetensors"
@@ -520,6 +520,13 @@ class ShardWriter:
         return written + [self.folder / INDEX_FILE]
 
 
+def streams(method: str, options: Mapping | None) -> bool:
+    """Whether `lazy_merge` can run this method (it acts tensor group by tensor group)."""
+    from .merging import MERGE_METHODS
+
+    return method in MERGE_METHODS and not _trims_whole_model(method, build_options(method, options))
+
+
 def _trims_whole_model(method: str, opts) -> bool:
     if method == "ties":
         return opts.scope == "model"
@@ -609,6 +616,8 @@ def lazy_merge(
                 dict(zip(short, reader.read(p + s for s in short).values()))
                 for reader, p in zip(experts, expert_prefixes)
             ]
+            for path, sd in zip(paths, expert_sds):
+                check_finite(sd, f"expert {path}")
             merged = merge_state_dicts(method, base_sd, expert_sds, opts)
             del base_sd, expert_sds
             for name, tensor in merged.items():

@@ -192,6 +192,17 @@ def check_experts_fit_base(base: nn.Module, experts: Mapping[str, nn.Module]) ->
                           "checkpoint?", ImplausibleExpertWarning, stacklevel=2)
 
 
+def check_model_types(base: str | os.PathLike, experts: Mapping[str, str | os.PathLike]) -> None:
+    """`check_experts_fit_base`'s model-type check from the configs alone (nothing is loaded), for
+    merges that read the experts tensor by tensor (they check names, shapes and finiteness there)."""
+    base_type = AutoConfig.from_pretrained(resolve_model_ref(base)).model_type
+    for task, ref in experts.items():
+        expert_type = AutoConfig.from_pretrained(resolve_model_ref(ref)).model_type
+        if expert_type != base_type:
+            raise ValueError(f"expert {task!r} ({ref}) is a {expert_type!r} model but the base ({base}) is a "
+                             f"{base_type!r} model; experts must be fine-tuned from the base")
+
+
 def head_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters outside the backbone: the task head."""
     prefix = model.base_model_prefix + "."
@@ -288,13 +299,21 @@ def save_multitask(
         check_finite(head_state(model), f"refusing to write {out_dir}: the head of task {task!r}")
     with atomic_dir(out_dir) as tmp:
         backbone.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        for task, model in task_models.items():
-            head_dir = tmp / "heads" / task
-            head_dir.mkdir(parents=True)
-            model.config.save_pretrained(head_dir)
-            save_file({k: v.contiguous() for k, v in head_state(model).items()}, head_dir / "head.safetensors")
+        save_heads(tmp, task_models, tokenizer)
+
+
+def save_heads(folder: str | os.PathLike, task_models: Mapping[str, nn.Module], tokenizer=None) -> None:
+    """The multi-task layout's other half: `heads/<task>/` (config + head tensors) and the tokenizer,
+    written into a folder that holds (or will hold) the backbone."""
+    folder = Path(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    for task, model in task_models.items():
+        check_finite(head_state(model), f"refusing to write {folder}: the head of task {task!r}")
+        head_dir = folder / "heads" / task
+        head_dir.mkdir(parents=True)
+        model.config.save_pretrained(head_dir)
+        save_file({k: v.contiguous() for k, v in head_state(model).items()}, head_dir / "head.safetensors")
 
 
 def load_task_model(model_dir: str | os.PathLike, task: str) -> nn.Module:
