@@ -11,7 +11,6 @@ stage, `stages/chain.yaml` was generated from these params (else: run `python st
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import math
 import re
@@ -592,8 +591,3 @@ def validate_tuned(raw: Any) -> dict[str, float]:
         if key not in parsers:
             raise unknown_key("featcal", key, parsers)
     return {k: parsers[k](values[k], f"featcal.{k}") for k in HYPER_KEYS}
-
-
-def as_dict(params: Params) -> dict:
-    """The checked params as plain data (task specs as their mappings)."""
-    return dataclasses.asdict(params)
