@@ -33,13 +33,17 @@ repro: setup
 	.venv/bin/dvc repro
 
 # Benchmarks (not tests): side-by-side measurements on the demo; needs `make repro` first.
+# alpha_rerun.py runs `dvc exp run -S featcal.alpha=0.5` and restores the workspace afterwards.
 bench: setup
 	$(PY) bench/calibration_cost.py
+	$(PY) bench/alpha_rerun.py
 
 clean:
 	rm -rf .venv
 
-# Lazy per-layer loading vs whole experts: peak RSS and wall time (~15 min, ~8 GB temporary disk).
+# `dvc repro` of a synthetic 24-layer, 8-expert BERT project: each stage's peak RSS vs one
+# calibrate-layer step with every model whole (~22 GB temporary disk, ~12 GB RAM; long).
+# bench/lazy_vs_whole.py compares calibrate_lazy with calibrate in process.
 .PHONY: bench-lazy
 bench-lazy: setup
-	$(PY) bench/lazy_vs_whole.py
+	$(PY) bench/pipeline_lazy.py

@@ -1,4 +1,8 @@
-"""A tiny, fully local copy of the demo pipeline: random 2-layer BERT, two synthetic tasks."""
+"""A tiny, fully local copy of the demo pipeline: random 2-layer BERT, two synthetic tasks.
+
+The pieces (base, tasks, params, project) are separate functions taking their sizes as arguments,
+so bench/pipeline_lazy.py builds its large synthetic project with the same code the tests use.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import torch
 import yaml
@@ -15,32 +20,52 @@ from transformers import BertConfig, BertModel, BertTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["good", "bad", "great", "awful", "movie", "film", "sport", "team", "vote", "party", "the", "a", "and", "news"]
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+# task -> (words that mark label 0, words that mark label 1)
+RULES = {"sentiment": (["good", "great"], ["bad", "awful"]), "topic": (["sport", "team"], ["vote", "party"])}
+FILLER = WORDS[10:]   # the words a sentence is padded with
 
 
-def make_base(path: Path, layers: int = 2) -> None:
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64)
+def make_vocab(words: Sequence[str], size: int | None = None) -> list[str]:
+    """Special tokens, then `words`, then `[unusedN]` fillers up to `size` entries (as BERT's vocab
+    reserves unused slots): a large vocabulary costs embedding memory like a real model's."""
+    vocab = SPECIALS + [w for w in words if w not in SPECIALS]
+    if size is not None:
+        if size < len(vocab):
+            raise ValueError(f"vocabulary of {size} entries cannot hold the {len(vocab)} special tokens and words")
+        vocab += [f"[unused{i}]" for i in range(size - len(vocab))]
+    return vocab
+
+
+def make_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int = 4, intermediate: int = 64,
+              vocab: Sequence[str] | None = None, max_positions: int = 64, seed: int = 0) -> None:
+    """A randomly initialised (seeded) bare BERT and its word-level tokenizer, saved as an HF folder."""
+    vocab = list(vocab) if vocab is not None else make_vocab(WORDS)
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=intermediate, max_position_embeddings=max_positions)
     BertModel(config).save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
 
 
-def make_tasks(path: Path, n: int = 120) -> dict[str, dict]:
-    rng = random.Random(0)
+def make_tasks(path: Path, n: int = 120, *, rules: Mapping[str, tuple[list[str], list[str]]] = RULES,
+               filler: Sequence[str] = FILLER, max_train: int = 60, n_dev: int = 20, n_test: int = 30,
+               seed: int = 0) -> dict[str, dict]:
+    """One two-class CSV per task (a label-0 or label-1 word among filler words); returns the
+    params `tasks` entries that read them (`source: file:...`)."""
+    rng = random.Random(seed)
     path.mkdir(parents=True, exist_ok=True)
-    rules = {"sentiment": (["good", "great"], ["bad", "awful"]), "topic": (["sport", "team"], ["vote", "party"])}
     specs = {}
     for task, (pos, neg) in rules.items():
         rows = []
         for i in range(n):
             label = i % 2
-            words = [rng.choice(WORDS[10:]) for _ in range(rng.randint(3, 8))]
+            words = [rng.choice(filler) for _ in range(rng.randint(3, 8))]
             words.insert(rng.randint(0, len(words)), rng.choice(neg if label else pos))
             rows.append((" ".join(words) + f" {i}", label))
         csv = path / f"{task}.csv"
         csv.write_text("text,label\n" + "".join(f"{t},{y}\n" for t, y in rows))
-        specs[task] = {"source": f"file:{csv}", "max_train": 60, "n_dev": 20, "n_test": 30}
+        specs[task] = {"source": f"file:{csv}", "max_train": max_train, "n_dev": n_dev, "n_test": n_test}
     return specs
 
 
@@ -58,26 +83,31 @@ def tiny_params(base: Path, tasks: dict) -> dict:
     return params
 
 
+def project_env() -> dict[str, str]:
+    """The environment a stage gets: offline hub, and this interpreter's folder first on PATH
+    (stage commands say `python`)."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+
 def run(cmd: list[str], cwd: Path) -> str:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, env=project_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc.stdout + proc.stderr
 
 
-def make_project(root: Path) -> Path:
-    """A git repository with the project's pipeline files and tiny params; returns its path."""
-    project = root / "project"
+def copy_pipeline(project: Path) -> None:
+    """The project's pipeline definition and the code its stages run (no data, no lock files)."""
     project.mkdir()
     for name in ("dvc.yaml",):
         shutil.copy(ROOT / name, project / name)
     for folder in ("stages", "compare"):
         shutil.copytree(ROOT / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__", "dvc.lock"))
     shutil.copytree(ROOT / "featcal", project / "featcal", ignore=shutil.ignore_patterns("__pycache__"))
-    make_base(root / "base")
-    params = tiny_params(root / "base", make_tasks(root / "raw"))
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def init_repo(project: Path, message: str = "tiny project") -> None:
+    """git + DVC repository with the chain generated for the params, everything committed."""
     (project / ".gitignore").write_text("__pycache__/\n")
     run(["git", "init", "-q"], project)
     run(["git", "config", "user.email", "test@example.com"], project)
@@ -85,5 +115,17 @@ def make_project(root: Path) -> Path:
     run([sys.executable, "-m", "dvc", "init", "-q"], project)
     run([sys.executable, "stages/gen_chain.py"], project)
     run(["git", "add", "-A"], project)
-    run(["git", "commit", "-qm", "tiny project"], project)
+    run(["git", "commit", "-qm", message], project)
+
+
+def make_project(root: Path, params: dict | None = None) -> Path:
+    """A git repository with the project's pipeline files and `params` (default: the tiny base and
+    tasks, built under `root`); returns its path, `root/project`."""
+    project = root / "project"
+    copy_pipeline(project)
+    if params is None:
+        make_base(root / "base")
+        params = tiny_params(root / "base", make_tasks(root / "raw"))
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    init_repo(project)
     return project

@@ -1,0 +1,330 @@
+"""Benchmark (not a test): what an α experiment costs through DVC vs in one process, on the demo.
+
+Issue 11 asks that changing α re-runs only what α touches, so that `dvc exp run -S featcal.alpha=...`
+costs little more than the calibration itself, and that a calibrate-layer stage streams one block
+per checkpoint instead of loading every model. In one run this measures:
+
+(a) `dvc exp run -S featcal.alpha=<new>` from an up-to-date pipeline: wall time and the stages it
+    ran. The workspace is restored afterwards (params.yaml, dvc.lock and results/ as they were,
+    uncommitted changes included; the DVC-tracked outputs by `dvc checkout --force`) and the
+    experiment is removed from the experiment list unless --keep-exp;
+(b) one in-process calibration of the same merged model with the new α (`featcal.calibrate.calibrate`)
+    plus scoring the calibrated model on test; `alpha_rerun_over_inprocess` = (a) ÷ (b), goal <= 1.3;
+(c) the peak RSS of the largest calibrate-layer stage in that experiment ÷ the largest before the
+    streaming rewrite (commit c1adb0f's results/timing), goal <= 0.5.
+
+The figures are merged into results/bench.json. Needs `make repro` first. Run: make bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "stages"))
+
+DEMO_OUTPUTS = ("models/merged", "experts", "features/experts")
+RESTORED = ("params.yaml", "dvc.lock", "results")      # what `dvc exp run` rewrites in the workspace
+BEFORE_COMMIT = "c1adb0f"   # the last commit whose calibrate-layer stages loaded every model whole
+BEFORE_MIB = 2677.7         # its largest calibrate-layer peak RSS, if that commit cannot be read
+RATIO_GOAL, RSS_GOAL = 1.3, 0.5
+
+
+# --- running dvc and git -----------------------------------------------------------------------------
+
+
+def project_env() -> dict[str, str]:
+    """Stage commands say `python`: this interpreter's folder goes first on PATH; the hub stays offline."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def dvc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m dvc ...` with the project's interpreter, output captured."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], env=project_env(), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"dvc {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def git(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+
+
+# --- preconditions -----------------------------------------------------------------------------------
+
+
+def require_demo() -> None:
+    """The demo's models and caches must exist: the benchmark calibrates them, it does not build them."""
+    missing = [p for p in DEMO_OUTPUTS if not Path(p).exists()]
+    if missing:
+        raise SystemExit(f"alpha_rerun: the demo is not built ({', '.join(missing)} missing in {Path.cwd()}); "
+                         "run `make repro` first")
+
+
+def pipeline_changes() -> list[str]:
+    """Stages of dvc.yaml that `dvc status` reports changed (empty: up to date)."""
+    out = dvc("status", "--json", "dvc.yaml").stdout.strip()
+    try:
+        return sorted(json.loads(out or "{}"))
+    except json.JSONDecodeError:
+        raise SystemExit(f"dvc status --json: unexpected output:\n{out[-2000:]}") from None
+
+
+def require_up_to_date(when: str, fix: str) -> None:
+    changed = pipeline_changes()
+    if changed:
+        raise SystemExit(f"alpha_rerun: {when}, `dvc status` is not up to date (changed: {', '.join(changed)}); {fix}")
+
+
+def require_alpha_in_params(params: dict) -> None:
+    """With featcal.use_tuned, the chain reads α from tune/best.yaml: `-S featcal.alpha` would not reach it."""
+    if params.get("featcal", {}).get("use_tuned"):
+        raise SystemExit("alpha_rerun: featcal.use_tuned is true, so α comes from tune/best.yaml and "
+                         "`-S featcal.alpha` changes nothing; set it to false (and `make repro`) to benchmark")
+
+
+# --- (a) the experiment, and putting the workspace back ------------------------------------------------
+
+
+def snapshot(dest: Path) -> None:
+    """Copy what the experiment rewrites, so uncommitted changes (e.g. dvc.lock after `make repro`
+    on a fresh clone) come back too, not only the committed versions `git checkout` gives."""
+    for name in RESTORED:
+        src = Path(name)
+        if src.is_dir():
+            shutil.copytree(src, dest / name, symlinks=True)
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+
+
+def mirror(src: Path, dst: Path) -> None:
+    """Make `dst` hold exactly `src`'s files: copy them over, delete files `src` does not have."""
+    for path in sorted(dst.rglob("*"), reverse=True):
+        twin = src / path.relative_to(dst)
+        if path.is_file() or path.is_symlink():
+            if not (twin.is_file() or twin.is_symlink()):
+                path.unlink()
+        elif path.is_dir() and not twin.is_dir():
+            shutil.rmtree(path)
+    shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+
+
+def restore(saved: Path) -> None:
+    """params.yaml, dvc.lock, results/ as before the experiment (index from git, files from the
+    snapshot), then the DVC-tracked outputs as dvc.lock records them."""
+    proc = git("checkout", "--", *[n for n in RESTORED if Path(n).exists() or (saved / n).exists()])
+    if proc.returncode != 0:
+        print(f"warning: git checkout -- {' '.join(RESTORED)}: {proc.stderr.strip()}", file=sys.stderr)
+    for name in RESTORED:
+        src, dst = saved / name, Path(name)
+        if src.is_dir():
+            mirror(src, dst)
+        elif src.exists():
+            shutil.copy2(src, dst)
+    dvc("checkout", "--force")
+
+
+def exp_run(alpha: float, log: Path) -> tuple[list[str], float, str | None]:
+    """`dvc exp run -S featcal.alpha=<alpha>`: the stages it ran (echoed as they start), its wall
+    seconds and the experiment's name; the whole output goes to `log`."""
+    cmd = [sys.executable, "-m", "dvc", "exp", "run", "-S", f"featcal.alpha={alpha}"]
+    stages: list[str] = []
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            out.write(line)
+            found = re.search(r"Running stage '([^']+)'", line)
+            if found:
+                stages.append(found.group(1))
+                print(f"  [{time.perf_counter() - start:7.1f} s] {found.group(1)}", flush=True)
+        code = proc.wait()
+    wall = time.perf_counter() - start
+    if code != 0:
+        raise SystemExit(f"dvc exp run failed ({code}):\n{log.read_text()[-4000:]}")
+    name = re.search(r"Ran experiment\(s\): (\S+)", log.read_text())
+    return stages, wall, name.group(1) if name else None
+
+
+def calibrate_stage_peaks() -> dict[str, float]:
+    """{stage: peak_rss_mib} of the calibrate-layer stages, as their last run wrote them."""
+    return {p.stem: json.loads(p.read_text())["peak_rss_mib"] for p in Path("results/timing").glob("calibrate-layer@*.json")}
+
+
+def read_metric(path: str, *keys: str) -> float | None:
+    try:
+        node = json.loads(Path(path).read_text())
+        for key in keys:
+            node = node[key]
+        return float(node)
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def remove_experiment(name: str | None) -> None:
+    if name is None:
+        print("note: the experiment's name was not in dvc's output; `dvc exp list` shows it", file=sys.stderr)
+        return
+    proc = dvc("exp", "remove", name, check=False)
+    if proc.returncode != 0:
+        print(f"note: dvc exp remove {name}: {proc.stderr.strip()[-500:]}", file=sys.stderr)
+
+
+# --- (b) one in-process calibration and scoring ------------------------------------------------------------
+
+
+def in_process(params: dict, alpha: float) -> dict:
+    """Load the demo's models and data (not timed), then calibrate the merged model with the new α
+    and score it on test, each step measured (wall time, peak RSS)."""
+    import torch
+    from common import enabled_tasks, get, max_length
+
+    from featcal.calibrate import FeatCalConfig, calibrate
+    from featcal.data import batches_from_arrays, read_split
+    from featcal.evaluate import score_backbone, summary
+    from featcal.lazy import load_head
+    from featcal.modeling import load_backbone, load_classifier, load_tokenizer
+    from featcal.profiling import measure
+    from featcal.store import read_group
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tasks = enabled_tasks(params)
+    with measure() as load:
+        merged = load_backbone("models/merged")
+        base = load_backbone(get(params, "model.base"))
+        experts = {t: load_classifier(f"experts/{t}") for t in tasks}
+        batches = batches_from_arrays(read_group("features/experts/inputs.zarr"), int(get(params, "calibration.batch_size")))
+        batches = {t: batches[t] for t in tasks}
+        heads = {t: load_head(f"experts/{t}") for t in tasks}
+        tokenizer = load_tokenizer("models/merged")
+        splits = {t: read_split(get(params, "tasks_dir"), t, "test") for t in tasks}
+    config = FeatCalConfig.from_mapping({**get(params, "featcal"), "alpha": alpha})
+    with measure() as cal:
+        result = calibrate(merged, base, experts, batches, config, inplace=True, progress=False)
+    with measure() as score:
+        scores = score_backbone(result.backbone, heads, tokenizer, splits, {t: max_length(params, t) for t in tasks})
+    return {"load": load.as_dict(), "calibrate": cal.as_dict(), "score": score.as_dict(),
+            "test_avg": summary(scores)["avg"], "threads": torch.get_num_threads()}
+
+
+# --- (c) the figure before the rewrite -----------------------------------------------------------------------
+
+
+def before_rewrite_peak() -> tuple[float, str]:
+    """The largest calibrate-layer peak RSS recorded at BEFORE_COMMIT (read from this repository's
+    history; the recorded figure when that commit is not available, e.g. in a shallow clone)."""
+    listing = git("ls-tree", "--name-only", f"{BEFORE_COMMIT}:results/timing", cwd=ROOT)
+    peaks = []
+    for name in listing.stdout.split() if listing.returncode == 0 else []:
+        if name.startswith("calibrate-layer@"):
+            shown = git("show", f"{BEFORE_COMMIT}:results/timing/{name}", cwd=ROOT)
+            if shown.returncode == 0:
+                peaks.append(float(json.loads(shown.stdout)["peak_rss_mib"]))
+    if peaks:
+        return max(peaks), f"git show {BEFORE_COMMIT}:results/timing/calibrate-layer@*.json"
+    return BEFORE_MIB, f"recorded figure of {BEFORE_COMMIT} (commit not available)"
+
+
+# --- report ----------------------------------------------------------------------------------------------
+
+
+def merge_json(path: Path, figures: dict) -> None:
+    """Update `path` with `figures`, keeping keys other benchmarks wrote."""
+    record = json.loads(path.read_text()) if path.exists() else {}
+    record.update(figures)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def verdict(value: float, goal: float) -> str:
+    return f"goal <= {goal}: {'meets' if value <= goal else 'misses'}"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--alpha", type=float, default=0.5, help="the new featcal.alpha of the experiment")
+    p.add_argument("--project", type=Path, default=ROOT, help="the demo project (after `make repro`)")
+    p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="figures file, relative to --project")
+    p.add_argument("--keep-exp", action="store_true", help="keep the experiment in `dvc exp list`")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    os.chdir(args.project)
+    require_demo()
+    from common import load_params
+
+    params = load_params()
+    require_alpha_in_params(params)
+    if float(params["featcal"]["alpha"]) == args.alpha:
+        raise SystemExit(f"alpha_rerun: featcal.alpha is already {args.alpha}; give another --alpha")
+    require_up_to_date("before the experiment", "run `make repro` first")
+
+    print(f"(a) dvc exp run -S featcal.alpha={args.alpha} (params.yaml has {params['featcal']['alpha']})", flush=True)
+    with tempfile.TemporaryDirectory(prefix="featcal-alpha-rerun-") as tmp:
+        saved = Path(tmp) / "saved"
+        saved.mkdir()
+        snapshot(saved)
+        try:
+            stages, exp_s, exp_name = exp_run(args.alpha, Path(tmp) / "exp.log")
+            peaks = calibrate_stage_peaks()              # read before the timing files are restored
+            exp_avg = read_metric("results/metrics.json", "featcal", "avg")
+        finally:
+            restore(saved)
+    if not args.keep_exp:
+        remove_experiment(exp_name)
+    require_up_to_date("after restoring the workspace", "the workspace was not restored exactly: "
+                       "run `git status` and `dvc checkout --force`")
+    print("    workspace restored; dvc status: up to date", flush=True)
+
+    print(f"(b) in-process calibration with alpha={args.alpha} + test scoring", flush=True)
+    inproc = in_process(params, args.alpha)
+    inproc_s = inproc["calibrate"]["wall_s"] + inproc["score"]["wall_s"]
+    ratio = exp_s / inproc_s
+    largest = max(peaks, key=peaks.get)
+    before_mib, before_source = before_rewrite_peak()
+    rss_ratio = peaks[largest] / before_mib
+
+    print()
+    print(f"threads {inproc['threads']}; new alpha {args.alpha}")
+    print(f"dvc exp run: {exp_s:.1f} s; stages run: {', '.join(stages) or 'none'}")
+    print(f"in process: load {inproc['load']['wall_s']:.1f} s (not counted), calibrate {inproc['calibrate']['wall_s']:.1f} s, "
+          f"score {inproc['score']['wall_s']:.1f} s; peak RSS {inproc['score']['peak_rss_mib']:.0f} MiB")
+    print(f"test avg: exp run {exp_avg}, in process {inproc['test_avg']}")
+    print(f"alpha_rerun_over_inprocess {ratio:.2f} ({verdict(ratio, RATIO_GOAL)})")
+    print(f"calibrate_stage_peak_rss_mib {peaks[largest]:.1f} ({largest}); before the rewrite {before_mib:.1f} "
+          f"-> ratio {rss_ratio:.2f} ({verdict(rss_ratio, RSS_GOAL)})")
+
+    merge_json(args.out, {
+        "alpha_rerun_over_inprocess": round(ratio, 3),
+        "calibrate_stage_peak_rss_mib": peaks[largest],
+        "calibrate_stage_peak_rss_ratio": round(rss_ratio, 3),
+        "alpha_rerun": {
+            "command": shlex.join(["python", *sys.argv]), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "threads": inproc["threads"], "alpha": args.alpha, "exp_run_wall_s": round(exp_s, 2), "stages_run": stages,
+            "in_process": inproc, "exp_run_test_avg": exp_avg, "calibrate_stage_peaks_mib": peaks,
+            "largest_calibrate_stage": largest, "before_rewrite_peak_rss_mib": before_mib,
+            "before_rewrite_source": before_source, "goals": {"alpha_rerun_over_inprocess": RATIO_GOAL,
+                                                              "calibrate_stage_peak_rss_ratio": RSS_GOAL},
+        },
+    })
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
