@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import re
 import signal
@@ -439,11 +438,14 @@ def test_run_trials_refuses_a_total_below_one(tmp_path):
 # --- the real pipeline: nothing wrong is recorded in dvc.lock ------------------------------------------------
 
 
+TARGET = "calibrate-layer@L01"   # the stages up to it are all these cases need (the rest would only cost time)
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    """The tiny project after one full `dvc repro`."""
+    """The tiny project reproduced up to its last calibrate-layer stage."""
     project = make_project(tmp_path_factory.mktemp("bad_inputs_dvc"))
-    run([*DVC, "repro"], project)
+    run([*DVC, "repro", TARGET], project)
     return project
 
 
@@ -455,7 +457,7 @@ def dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
 def restore(project: Path) -> None:
     """Back to the recorded state: the committed params, the outputs dvc.lock records."""
     run(["git", "checkout", "--", "params.yaml"], project)
-    run([*DVC, "checkout", "-q"], project)
+    run([*DVC, "checkout", "-q", "--with-deps", TARGET], project)
 
 
 @pytest.mark.slow
@@ -466,7 +468,7 @@ def test_dvc_repro_with_a_typo_fails_before_recording_anything(project):
     params["merge"]["optoins"] = params["merge"].pop("options")
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     try:
-        out = dvc(project, "repro")
+        out = dvc(project, "repro", TARGET)
     finally:
         restore(project)
     assert out.returncode != 0 and "merge.optoins" in out.stderr and "did you mean 'options'" in out.stderr, out.stderr
@@ -479,7 +481,7 @@ def test_dvc_repro_with_a_typo_fails_before_recording_anything(project):
 def test_dvc_exp_run_set_non_number_alpha_fails_naming_the_key(project):
     lock = (project / "dvc.lock").read_text()
     try:
-        out = dvc(project, "exp", "run", "-S", "featcal.alpha=abc")
+        out = dvc(project, "exp", "run", "-S", "featcal.alpha=abc", TARGET)
     finally:
         restore(project)
     text = out.stdout + out.stderr
@@ -494,7 +496,7 @@ def test_dvc_repro_after_a_new_task_without_gen_chain_fails_before_any_stage_run
     params["tasks"]["extra"] = dict(params["tasks"]["topic"])
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     try:
-        out = dvc(project, "repro")
+        out = dvc(project, "repro", TARGET)
     finally:
         restore(project)
     assert out.returncode != 0 and "run `python stages/gen_chain.py`" in out.stderr and "'extra'" in out.stderr
@@ -520,7 +522,7 @@ def test_flipped_bytes_in_a_cached_shard_fail_the_next_stage_naming_store_and_ar
         params = yaml.safe_load((project / "params.yaml").read_text())
         params["featcal"]["alpha"] = 0.5
         (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-        out = dvc(project, "repro")
+        out = dvc(project, "repro", TARGET)
     finally:
         restore(project)
         shard.write_bytes(original)
@@ -529,6 +531,5 @@ def test_flipped_bytes_in_a_cached_shard_fail_the_next_stage_naming_store_and_ar
     assert out.returncode != 0 and failed, out.stderr
     assert str(Path("features/experts/layer_01.zarr")) in out.stderr and f"array {array!r}" in out.stderr, out.stderr
     after = yaml.safe_load((project / "dvc.lock").read_text())
-    for stage in (failed.group(1), "evaluate"):               # neither recorded with the damaged input
-        assert after["stages"][stage] == lock["stages"][stage]
-    assert not math.isnan(json.loads((project / "results/metrics.json").read_text())["featcal"]["avg"])
+    assert after["stages"][failed.group(1)] == lock["stages"][failed.group(1)]   # not recorded with the damaged input
+    assert after["stages"][TARGET] == lock["stages"][TARGET]
