@@ -589,12 +589,17 @@ def lazy_merge(
     names = sorted((k for k in base.keys() if k.startswith(prefix)), key=_natural)
     if not names:
         raise ValueError(f"{base.path}: no tensor starts with the backbone prefix {prefix!r}")
+    # integer buffers (e.g. position_ids, which older checkpoints store and newer ones do not) are
+    # the base's, unmerged, as in merge_state_dicts: the experts need not hold them
+    copied = {name for name in names if not base.dtype(name).is_floating_point}
     # check names and shapes from the headers first: no tensor is read for a mismatch
     expert_prefixes = []
     for path, reader in zip(paths, experts):
-        p = reader.find_prefix(names[0][len(prefix):])  # an expert may be stored with or without a head
+        p = reader.find_prefix(next(n for n in names if n not in copied)[len(prefix):])  # with or without a head
         expert_prefixes.append(p)
         for name in names:
+            if name in copied:
+                continue
             key = p + name[len(prefix):]
             if key not in reader:
                 raise ValueError(f"expert {path}: no tensor {key!r} (the base {base.path} has {name!r})")
@@ -610,18 +615,19 @@ def lazy_merge(
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         for group in tqdm(groups.values(), desc="merge (lazy)", unit="group", disable=not progress):
-            short = [n[len(prefix):] for n in group]
-            base_sd = dict(zip(short, base.read(group).values()))
+            base_sd = {n[len(prefix):]: t for n, t in base.read(group).items()}
+            short = [n[len(prefix):] for n in group if n not in copied]
             expert_sds = [
                 dict(zip(short, reader.read(p + s for s in short).values()))
                 for reader, p in zip(experts, expert_prefixes)
             ]
             for path, sd in zip(paths, expert_sds):
                 check_finite(sd, f"expert {path}")
-            merged = merge_state_dicts(method, base_sd, expert_sds, opts)
+            merged = merge_state_dicts(method, {s: base_sd[s] for s in short}, expert_sds, opts) if short else {}
+            for name in group:
+                key = name[len(prefix):]
+                writer.add(key, merged[key] if key in merged else base_sd[key])
             del base_sd, expert_sds
-            for name, tensor in merged.items():
-                writer.add(name, tensor)
         writer.close()
         _write_config(base.folder, tmp, stripped=bool(prefix))
         for extra in base.folder.iterdir():
