@@ -184,12 +184,17 @@ def check_experts_fit_base(base: nn.Module, experts: Mapping[str, nn.Module]) ->
                 raise ValueError(f"expert {task!r}: tensor {name!r} has shape {shape}, the base's is {tuple(value.shape)}; "
                                  "experts must be fine-tuned from the base")
         check_finite(state, f"expert {task!r}")
-        ratio = task_vector_ratio(base_state, state)
-        if ratio > IMPLAUSIBLE_TASK_VECTOR_RATIO:
-            warnings.warn(f"expert {task!r}: its task vector is {ratio:.2f} times the base's norm "
-                          f"(‖θ_expert − θ_base‖ / ‖θ_base‖; above {IMPLAUSIBLE_TASK_VECTOR_RATIO} is implausible "
-                          "for a fine-tune): was it fine-tuned from this base, not from a random init or another "
-                          "checkpoint?", ImplausibleExpertWarning, stacklevel=2)
+        warn_if_implausible(task, task_vector_ratio(base_state, state))
+
+
+def warn_if_implausible(expert: str, ratio: float) -> None:
+    """Warn when an expert's task-vector ratio (`task_vector_ratio`) is too large for a fine-tune;
+    for merges that stream tensors and sum the ratio's two norms themselves."""
+    if ratio > IMPLAUSIBLE_TASK_VECTOR_RATIO:
+        warnings.warn(f"expert {expert!r}: its task vector is {ratio:.2f} times the base's norm "
+                      f"(‖θ_expert − θ_base‖ / ‖θ_base‖ over weight matrices; above {IMPLAUSIBLE_TASK_VECTOR_RATIO} "
+                      "is implausible for a fine-tune): was it fine-tuned from this base, not from a random init or "
+                      "another checkpoint?", ImplausibleExpertWarning, stacklevel=3)
 
 
 def check_model_types(base: str | os.PathLike, experts: Mapping[str, str | os.PathLike]) -> None:
