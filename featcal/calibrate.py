@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -43,6 +44,16 @@ class LayerHyper:
     ridge: float
 
 
+def check_hyper(hyper: LayerHyper, where: str) -> None:
+    """α in [0, 1], ρ > 0, λ >= 0, all finite: the ranges FeatCal's formulas are meant for."""
+    if not 0.0 <= hyper.alpha <= 1.0:
+        raise ValueError(f"{where}.alpha must be in [0, 1], got {hyper.alpha}")
+    if not (hyper.rho > 0 and math.isfinite(hyper.rho)):
+        raise ValueError(f"{where}.rho must be a finite number > 0, got {hyper.rho}")
+    if not (hyper.ridge >= 0 and math.isfinite(hyper.ridge)):
+        raise ValueError(f"{where}.ridge must be a finite number >= 0, got {hyper.ridge}")
+
+
 @dataclass
 class FeatCalConfig:
     """FeatCal's knobs; defaults are the spec's (../shared/spec/featcal.md)."""
@@ -57,8 +68,7 @@ class FeatCalConfig:
     layer_overrides: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.ridge < 0:
-            raise ValueError(f"featcal.ridge must be >= 0, got {self.ridge}")
+        check_hyper(LayerHyper(self.alpha, self.rho, self.ridge), "featcal")
         if not 0.0 <= self.pooled_token_weight <= 1.0:
             raise ValueError(f"featcal.pooled_token_weight must be in [0, 1], got {self.pooled_token_weight}")
         overrides = {}
@@ -67,6 +77,7 @@ class FeatCalConfig:
             if bad:
                 raise ValueError(f"featcal.layer_overrides[{layer}]: unknown keys {sorted(bad)}; allowed {HYPER_KEYS}")
             overrides[int(layer)] = dict(values)
+            check_hyper(self.for_layer(int(layer), overrides), f"featcal.layer_overrides[{layer}]")
         self.layer_overrides = overrides
 
     @classmethod
@@ -79,9 +90,9 @@ class FeatCalConfig:
             raise ValueError(f"featcal params: unknown keys {sorted(bad)}; known keys {sorted(known)}")
         return cls(**dict(values))
 
-    def for_layer(self, index: int) -> LayerHyper:
+    def for_layer(self, index: int, overrides: Mapping[int, Mapping] | None = None) -> LayerHyper:
         values = {"alpha": self.alpha, "rho": self.rho, "ridge": self.ridge}
-        values.update(self.layer_overrides.get(index, {}))
+        values.update((self.layer_overrides if overrides is None else overrides).get(index, {}))
         return LayerHyper(**{k: float(v) for k, v in values.items()})
 
 

@@ -19,7 +19,7 @@ from featcal import distributed
 from featcal.calibrate import HYPER_KEYS, FeatCalConfig
 from featcal.data import batches_from_arrays
 from featcal.layerwise import calibrate_cached_layer
-from featcal.modeling import atomic_file
+from featcal.modeling import atomic_file, check_finite
 from featcal.moments import pack_moments
 from featcal.solve import ILL_CONDITIONED
 from featcal.store import StoreFormat, read_group, write_group
@@ -59,6 +59,8 @@ def main() -> None:
         )
         student_next = distributed.gather_examples(out.student_next, batch_size)
         if distributed.is_main():
+            check_finite(out.parameters, f"refusing to write calib/layers/{name}.safetensors")
+            check_finite(student_next, f"refusing to write calib/student/layer_{k + 1:02d}.zarr")
             with atomic_file(f"calib/layers/{name}.safetensors") as tmp:
                 save_file(out.parameters, tmp)
             packed, layout = pack_moments(out.moments)

@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default="stages/chain.yaml")
     args = parser.parse_args()
-    params = load_params(args.params)
+    params = load_params(args.params, check_chain=False)   # it writes the chain
     config = AutoConfig.from_pretrained(resolve_model_ref(get(params, "model.base")))
     if config.model_type not in FAMILIES:
         raise SystemExit(f"model.base: model type {config.model_type!r} is not supported ({sorted(FAMILIES)})")

@@ -183,7 +183,8 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
                          tune__startup_trials=2, tune__enqueue_defaults=False)
     run([sys.executable, "stages/gen_chain.py"], project)
     third = run([*DVC, "repro"], project)
-    assert stages_run(third) == {"tune@dev", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, third
+    assert stages_run(third) == {"tune@dev", "collect-test-features", "evaluate-merged", "calibrate-layer@L00",
+                                 "calibrate-layer@L01", "evaluate"}, third
     best = yaml.safe_load((project / "tune/best.yaml").read_text())
     assert best["study"]["name"] == "wiring"
     lock = yaml.safe_load((project / "dvc.lock").read_text())
