@@ -46,7 +46,7 @@ from .calibrate import (
 )
 from .families import Family, family_for
 from .merging import build_options, merge_state_dicts
-from .modeling import atomic_dir, check_finite, resolve_model_ref
+from .modeling import atomic_dir, check_finite, ratio_of, resolve_model_ref, task_vector_sums, warn_if_implausible
 from .walk import walk_all
 
 SINGLE_FILE = "model.safetensors"
@@ -612,6 +612,7 @@ def lazy_merge(
         groups.setdefault(block_group(name[len(prefix):]), []).append(name)
 
     out_dir = Path(out_dir)
+    sums = [[0.0, 0.0] for _ in paths]   # per expert: ‖τ‖², ‖θ_base‖² (the implausible-expert check)
     with atomic_dir(out_dir) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard_size))
         for group in tqdm(groups.values(), desc="merge (lazy)", unit="group", disable=not progress):
@@ -621,14 +622,19 @@ def lazy_merge(
                 dict(zip(short, reader.read(p + s for s in short).values()))
                 for reader, p in zip(experts, expert_prefixes)
             ]
-            for path, sd in zip(paths, expert_sds):
+            for k, (path, sd) in enumerate(zip(paths, expert_sds)):
                 check_finite(sd, f"expert {path}")
+                diff, norm = task_vector_sums({s: base_sd[s] for s in short}, sd)
+                sums[k][0] += diff
+                sums[k][1] += norm
             merged = merge_state_dicts(method, {s: base_sd[s] for s in short}, expert_sds, opts) if short else {}
             for name in group:
                 key = name[len(prefix):]
                 writer.add(key, merged[key] if key in merged else base_sd[key])
             del base_sd, expert_sds
         writer.close()
+        for path, (diff, norm) in zip(paths, sums):
+            warn_if_implausible(str(path), ratio_of(diff, norm))
         _write_config(base.folder, tmp, stripped=bool(prefix))
         for extra in base.folder.iterdir():
             if (extra.is_file() and extra.name not in ("config.json", INDEX_FILE)

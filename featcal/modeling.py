@@ -154,15 +154,25 @@ def checked_load(model: nn.Module, path: str) -> nn.Module:
     return model.eval()
 
 
-def task_vector_ratio(base: Mapping[str, torch.Tensor], expert: Mapping[str, torch.Tensor]) -> float:
-    """‖θ_expert − θ_base‖ / ‖θ_base‖ over the weight matrices both hold (float64 sums). Norm
-    scales and biases are left out: they start equal (ones, zeros) in any two random inits."""
+def task_vector_sums(base: Mapping[str, torch.Tensor], expert: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+    """(‖θ_expert − θ_base‖², ‖θ_base‖²) over the weight matrices both hold (float64): sums that
+    add over tensor groups, for merges that stream. Norm scales and biases are left out: they
+    start equal (ones, zeros) in any two random inits."""
     diff = norm = 0.0
     for name, value in base.items():
         if value.is_floating_point() and value.ndim >= 2 and name in expert:
             value = value.double()
             diff += float((expert[name].double() - value).pow(2).sum())
             norm += float(value.pow(2).sum())
+    return diff, norm
+
+
+def task_vector_ratio(base: Mapping[str, torch.Tensor], expert: Mapping[str, torch.Tensor]) -> float:
+    """‖θ_expert − θ_base‖ / ‖θ_base‖ (`task_vector_sums`)."""
+    return ratio_of(*task_vector_sums(base, expert))
+
+
+def ratio_of(diff: float, norm: float) -> float:
     return math.sqrt(diff) / max(math.sqrt(norm), 1e-12)
 
 

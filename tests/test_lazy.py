@@ -193,3 +193,13 @@ def test_t5_encoder_decoder_lazy_equals_whole(tmp_path):
     whole = calibrate(merged, base, experts, batches, progress=False)
     lazy_result = calibrate_lazy(merged, tmp_path / "base", {t: tmp_path / t for t in experts}, batches, progress=False)
     assert_same_state(whole.backbone, lazy_result.backbone)
+
+
+def test_lazy_merge_warns_about_an_expert_that_is_no_fine_tune_of_the_base(setup, tmp_path):
+    from featcal.modeling import ImplausibleExpertWarning
+
+    tiny_bert(seed=9).save_pretrained(tmp_path / "random")
+    experts = {"a": setup["dirs"]["a"], "random": tmp_path / "random"}
+    with pytest.warns(ImplausibleExpertWarning, match=r"random': its task vector is \d\.\d\d times") as caught:
+        lazy_merge(setup["root"] / "base", experts, "task_arithmetic", {}, tmp_path / "merged", progress=False)
+    assert not any(str(setup["dirs"]["a"]) in str(w.message) for w in caught)
