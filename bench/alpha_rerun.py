@@ -28,11 +28,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))
+sys.path.insert(0, str(ROOT / "tests"))
+from tiny_project import run_dvc_logged  # noqa: E402  (streams a dvc command into a log)
 
 DEMO_OUTPUTS = ("models/merged", "experts", "features/experts")
 RESTORED = ("params.yaml", "dvc.lock", "results")      # what `dvc exp run` rewrites in the workspace
@@ -139,21 +140,7 @@ def restore(saved: Path) -> None:
 def exp_run(alpha: float, log: Path) -> tuple[list[str], float, str | None]:
     """`dvc exp run -S featcal.alpha=<alpha>`: the stages it ran (echoed as they start), its wall
     seconds and the experiment's name; the whole output goes to `log`."""
-    cmd = [sys.executable, "-m", "dvc", "exp", "run", "-S", f"featcal.alpha={alpha}"]
-    stages: list[str] = []
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=project_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            out.write(line)
-            found = re.search(r"Running stage '([^']+)'", line)
-            if found:
-                stages.append(found.group(1))
-                print(f"  [{time.perf_counter() - start:7.1f} s] {found.group(1)}", flush=True)
-        code = proc.wait()
-    wall = time.perf_counter() - start
-    if code != 0:
-        raise SystemExit(f"dvc exp run failed ({code}):\n{log.read_text()[-4000:]}")
+    stages, wall = run_dvc_logged(["exp", "run", "-S", f"featcal.alpha={alpha}"], log, env=project_env())
     name = re.search(r"Ran experiment\(s\): (\S+)", log.read_text())
     return stages, wall, name.group(1) if name else None
 

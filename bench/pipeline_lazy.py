@@ -38,7 +38,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import resource
 import shlex
 import shutil
@@ -56,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tiny_project import make_base, make_project, make_tasks, make_vocab, project_env, tiny_params  # noqa: E402
+from tiny_project import make_base, make_project, make_tasks, make_vocab, project_env, run_dvc_logged, tiny_params  # noqa: E402
 
 # Words that decide a task's label (four per task) and the words sentences are padded with.
 CUE_WORDS = ("good bad great awful sport team vote party happy sad win lose hot cold fast slow rich poor old new "
@@ -163,7 +162,6 @@ def build_project(work: Path, args: argparse.Namespace) -> Path:
     experts = make_experts(work / "base", work / "experts", tasks, args.seed)
     specs = make_tasks(work / "raw", rules=rules, filler=FILLER, seed=args.seed)
     return make_project(work, bench_params(work / "base", specs, experts, args.examples))
-    return project
 
 
 # --- running the pipeline ----------------------------------------------------------------------------
@@ -173,22 +171,7 @@ def repro(project: Path, log: Path) -> tuple[list[str], float]:
     """`dvc repro` in the project, its full output in `log`; returns the stages run, in order,
     and the wall seconds. The stage lines are echoed as they start."""
     env = dict(project_env(), TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    start = time.perf_counter()
-    stages: list[str] = []
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=project, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            out.write(line)
-            found = re.search(r"Running stage '([^']+)'", line)
-            if found:
-                stages.append(found.group(1))
-                print(f"  [{time.perf_counter() - start:7.1f} s] {found.group(1)}", flush=True)
-        code = proc.wait()
-    if code != 0:
-        tail = log.read_text()[-4000:]
-        raise SystemExit(f"dvc repro failed ({code}); full log {log}:\n{tail}")
-    return stages, time.perf_counter() - start
+    return run_dvc_logged(["repro"], log, cwd=project, env=env)
 
 
 def stage_timings(project: Path, order: list[str]) -> dict[str, dict]:

@@ -178,11 +178,11 @@ class TuneProblem:
     def calibrate(self, config: FeatCalConfig, after_block: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
         """A calibrated copy of the merged backbone: the walk, with the experts' states from the cache."""
         backbone = copy.deepcopy(self.merged)
-        on_block = None
-        if after_block is not None:
-            def on_block(k: int, _result) -> None:
-                if k < self.n_blocks - 1:
-                    after_block(k, backbone)
+
+        def on_block(k: int, _result) -> None:
+            if after_block is not None and k < self.n_blocks - 1:
+                after_block(k, backbone)
+
         walk_all(self.family, backbone, self.weights, self.batches, config,
                  expert_states=CachedExpertStates(self.states), on_block=on_block, progress=False)
         return backbone

@@ -7,6 +7,8 @@ so bench/pipeline_lazy.py builds its large synthetic project with the same code 
 from __future__ import annotations
 
 import os
+import time
+import re
 import random
 import shutil
 import subprocess
@@ -129,3 +131,23 @@ def make_project(root: Path, params: dict | None = None) -> Path:
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     init_repo(project)
     return project
+
+
+def run_dvc_logged(args: list[str], log: Path, cwd: Path | None = None, env: dict | None = None) -> tuple[list[str], float]:
+    """`python -m dvc <args>` with its whole output in `log`; echoes each stage as it starts and
+    returns the stages run, in order, and the wall seconds. A failure exits naming the log."""
+    start = time.perf_counter()
+    stages: list[str] = []
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=cwd, env=env or project_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            out.write(line)
+            found = re.search(r"Running stage '([^']+)'", line)
+            if found:
+                stages.append(found.group(1))
+                print(f"  [{time.perf_counter() - start:7.1f} s] {found.group(1)}", flush=True)
+        code = proc.wait()
+    if code != 0:
+        raise SystemExit(f"dvc {' '.join(args)} failed ({code}); full log {log}:\n{log.read_text()[-4000:]}")
+    return stages, time.perf_counter() - start
