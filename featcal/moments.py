@@ -95,11 +95,16 @@ Moments = LinearMoments | NormMoments
 
 
 def _merge_into(target, other) -> None:
+    """Add `other`'s sums to `target`'s in place (the first time, a copy): no second d×d buffer
+    per field while a block's moments grow."""
     for f in fields(target):
         mine, theirs = getattr(target, f.name), getattr(other, f.name)
         if theirs is None:
             continue
-        setattr(target, f.name, theirs.clone() if mine is None else mine + theirs)
+        if mine is None:
+            setattr(target, f.name, theirs.clone())
+        else:
+            mine.add_(theirs)
 
 
 def moments_to_arrays(m: Moments) -> dict[str, Tensor]:
