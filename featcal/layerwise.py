@@ -14,10 +14,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from .calibrate import FeatCalConfig, LayerDrift, ModuleReport, MomentReducer, SumReducer, enter_streams
-from .families import Family, family_for
+from .families import family_for
 from .lazy import CheckpointReader, LazyBackbone, LazyWeights, block_prefixes, empty_backbone, module_prefix, outer_prefixes
 from .moments import Moments
 from .walk import Batches, CachedExpertStates, expert_layer_states, require_uniform, split_like, stack_hidden, walk
@@ -100,10 +100,5 @@ def calibrate_cached_layer(
                        stack_hidden(result.student), result.drift[0], result.reports)
 
 
-def merged_entry_states(family: Family, backbone: nn.Module, batches: Batches) -> dict[str, Tensor]:
-    """The student's states entering block 0: the merged model's embeddings on each task."""
-    return stack_hidden(enter_streams(family, backbone, batches))
-
-
-__all__ = ["LayerOutput", "LazyStudent", "calibrate_cached_layer", "collect_expert_layers", "merged_entry_states"]
+__all__ = ["LayerOutput", "LazyStudent", "calibrate_cached_layer", "collect_expert_layers"]
 

@@ -39,9 +39,9 @@ def main() -> None:
     tasks = enabled_tasks(params)
     with timed("evaluate"):
         calibrated = assemble(load_backbone("models/merged"), sorted(glob.glob("calib/layers/L*.safetensors")))
-        save_multitask("models/featcal", calibrated, {t: load_head(f"experts/{t}") for t in tasks},
-                       load_tokenizer("models/merged"))
-        scores, drift = evaluate_backbone(calibrated, params, tasks, "features/test")
+        heads = {t: load_head(f"experts/{t}") for t in tasks}
+        save_multitask("models/featcal", calibrated, heads, load_tokenizer("models/merged"))
+        scores, drift = evaluate_backbone(calibrated, heads, params, "features/test")
         merged = read_json("results/merged.json")
         metrics = {
             # the expert's test accuracy was measured by finetune@<task> on this same split

@@ -19,10 +19,10 @@ from featcal.modeling import load_backbone, load_tokenizer, write_json
 from featcal.store import read_group
 
 
-def evaluate_backbone(backbone, params: dict, tasks: list[str], features: str) -> tuple[dict, list]:
-    """Test accuracy per task and per-layer drift to the experts' cached test states."""
-    tasks_dir = get(params, "tasks_dir")
-    heads = {t: load_head(f"experts/{t}") for t in tasks}
+def evaluate_backbone(backbone, heads: dict, params: dict, features: str) -> tuple[dict, list]:
+    """Test accuracy per task (`heads`: `load_head` models) and per-layer drift to the experts'
+    cached test states."""
+    tasks_dir, tasks = get(params, "tasks_dir"), list(heads)
     tokenizer = load_tokenizer("models/merged")
     scores = score_backbone(backbone, heads, tokenizer, {t: read_split(tasks_dir, t, "test") for t in tasks},
                             {t: max_length(params, t) for t in tasks})
@@ -42,7 +42,8 @@ def main() -> None:
     params = load_params()
     tasks = enabled_tasks(params)
     with timed("evaluate-merged"):
-        scores, drift = evaluate_backbone(load_backbone("models/merged"), params, tasks, args.features)
+        heads = {t: load_head(f"experts/{t}") for t in tasks}
+        scores, drift = evaluate_backbone(load_backbone("models/merged"), heads, params, args.features)
         write_json(args.out, {"test": summary(scores), "drift": [asdict(d) for d in drift]})
     print(f"merged: test avg {summary(scores)['avg']:.4f}")
 
