@@ -77,8 +77,9 @@ class FeatCalConfig:
             if bad:
                 raise ValueError(f"featcal.layer_overrides[{layer}]: unknown keys {sorted(bad)}; allowed {HYPER_KEYS}")
             overrides[int(layer)] = dict(values)
-            check_hyper(self.for_layer(int(layer), overrides), f"featcal.layer_overrides[{layer}]")
         self.layer_overrides = overrides
+        for layer in overrides:
+            check_hyper(self.for_layer(layer), f"featcal.layer_overrides[{layer}]")
 
     @classmethod
     def from_mapping(cls, values: Mapping) -> "FeatCalConfig":
@@ -90,9 +91,9 @@ class FeatCalConfig:
             raise ValueError(f"featcal params: unknown keys {sorted(bad)}; known keys {sorted(known)}")
         return cls(**dict(values))
 
-    def for_layer(self, index: int, overrides: Mapping[int, Mapping] | None = None) -> LayerHyper:
+    def for_layer(self, index: int) -> LayerHyper:
         values = {"alpha": self.alpha, "rho": self.rho, "ridge": self.ridge}
-        values.update((self.layer_overrides if overrides is None else overrides).get(index, {}))
+        values.update(self.layer_overrides.get(index, {}))
         return LayerHyper(**{k: float(v) for k, v in values.items()})
 
 

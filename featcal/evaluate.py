@@ -13,7 +13,7 @@ from .data import TaskSplit
 from .families import Family
 from .lazy import with_backbone_assigned
 from .train import accuracy
-from .walk import Streams, require_uniform, split_like
+from .walk import ModuleWeights, Streams, require_uniform, split_like
 
 Batches = Mapping[str, list[Mapping[str, Tensor]]]
 DRIFT_BATCH_SIZE = 32   # examples per batch when drift is measured on test examples
@@ -49,7 +49,7 @@ def drift_to_states(
 def layer_drift(family: Family, experts: Mapping[str, nn.Module], candidate: nn.Module, batches: Batches) -> list[LayerDrift]:
     """The same against the experts run in memory, each on its own task's batches (any family)."""
     exp_bbs = {t: family.backbone(experts[t]).eval() for t in batches}
-    exp = {t: [family.enter(exp_bbs[t], b) for b in bs] for t, bs in batches.items()}
+    exp = ModuleWeights(None, exp_bbs).enter_experts(family, batches)
 
     def advance(index: int, _cand: Streams) -> Streams:
         nonlocal exp

@@ -37,6 +37,7 @@ from .calibrate import (
     SumReducer,
     calibrate_block,
     calibrate_pooler,
+    enter_streams,
 )
 from .families import Family, Stream
 
@@ -214,7 +215,7 @@ def walk_all(
 ) -> WalkResult:
     """The whole model: enter the student (and, unless `expert_states` are given, the experts)
     on the calibration batches, then walk blocks 0..L."""
-    student_in = {t: [family.enter(student, b) for b in bs] for t, bs in batches.items()}
+    student_in = enter_streams(family, student, batches)
     if expert_states is None:
         expert_states = CarriedExpertStates(weights.enter_experts(family, batches))
     return walk(family, student, weights, student_in, expert_states, config, **kwargs)
