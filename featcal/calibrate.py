@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from . import solve
 from .families import Family, Stream, family_for, module_kind
 from .moments import LinearMoments, Moments, NormMoments
+from .profiling import phase
 
 log = logging.getLogger(__name__)
 
@@ -334,25 +335,31 @@ def calibrate_block(
         per_task: dict[str, Moments] = {}
         expert_next[task] = []
         for s, e in zip(streams, expert_streams[task], strict=True):
-            xs, _ = run_capturing(family, student_backbone, index, block, modules, s)
-            xe, e_out = run_capturing(family, expert_backbones[task], index, expert_blocks[task], modules, e)
-            accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight)
+            with phase("capture forwards"):
+                xs, _ = run_capturing(family, student_backbone, index, block, modules, s)
+                xe, e_out = run_capturing(family, expert_backbones[task], index, expert_blocks[task], modules, e)
+            with phase("moments"):
+                accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight)
             expert_next[task].append(e_out)
         for name in modules:
             if name in per_task:
                 moments[name][task] = per_task[name]
     if reduce_moments is not None:
-        moments = reduce_moments(moments, modules)
+        with phase("reduce across processes"):
+            moments = reduce_moments(moments, modules)
     expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
-    updates, reports = solve_modules(
-        modules, family.calibrated_modules(base_block), expert_modules, moments,
-        config.for_layer(index), config, prefix=f"block {index}: ",
-    )
-    apply_updates(block, updates)
-    student_next = {
-        t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()
-    }
-    drift = block_drift(family, index, student_backbone, expert_backbones, student_next, expert_next, reduce_sums)
+    with phase("solve"):
+        updates, reports = solve_modules(
+            modules, family.calibrated_modules(base_block), expert_modules, moments,
+            config.for_layer(index), config, prefix=f"block {index}: ",
+        )
+        apply_updates(block, updates)
+    with phase("advance forwards"):
+        student_next = {
+            t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()
+        }
+    with phase("drift"):
+        drift = block_drift(family, index, student_backbone, expert_backbones, student_next, expert_next, reduce_sums)
     return BlockResult(updates, reports, moments, student_next, expert_next, drift)
 
 

@@ -1,10 +1,12 @@
-"""Wall time and peak resident memory of one step inside a running process."""
+"""Wall time and peak resident memory of one step inside a running process, and where a
+calibration's time goes (`phase` marks the work, `phase_times` records it)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 
@@ -50,3 +52,33 @@ def measure(interval_s: float = 0.005):
         peak[0] = max(peak[0], rss_mib())
         result.peak_rss_mib = peak[0]
         result.added_rss_mib = peak[0] - start_rss
+
+
+# --- where the time of a calibration goes ---------------------------------------------------------------
+
+_PHASE_TOTALS: ContextVar[dict[str, float] | None] = ContextVar("featcal_phase_totals", default=None)
+
+
+@contextmanager
+def phase(name: str):
+    """Add the block's wall time to phase `name` while `phase_times()` records; else a no-op."""
+    totals = _PHASE_TOTALS.get()
+    if totals is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+
+
+@contextmanager
+def phase_times():
+    """Record `phase` timings inside the block: yields {phase: seconds}, filled as the work runs."""
+    totals: dict[str, float] = {}
+    token = _PHASE_TOTALS.set(totals)
+    try:
+        yield totals
+    finally:
+        _PHASE_TOTALS.reset(token)

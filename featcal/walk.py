@@ -40,6 +40,7 @@ from .calibrate import (
     enter_streams,
 )
 from .families import Family, Stream
+from .profiling import phase
 
 Streams = dict[str, list[Stream]]
 Batches = Mapping[str, Sequence[Mapping[str, Tensor]]]
@@ -138,7 +139,8 @@ class CachedExpertStates:
         self.load = load
 
     def at(self, index: int, like: Streams) -> Streams:
-        return split_like(self.load(index), like)
+        with phase("cache I/O"):
+            return split_like(self.load(index), like)
 
     def advance(self, expert_next: Streams) -> None:
         pass
@@ -215,9 +217,10 @@ def walk_all(
 ) -> WalkResult:
     """The whole model: enter the student (and, unless `expert_states` are given, the experts)
     on the calibration batches, then walk blocks 0..L."""
-    student_in = enter_streams(family, student, batches)
-    if expert_states is None:
-        expert_states = CarriedExpertStates(weights.enter_experts(family, batches))
+    with phase("enter forwards"):
+        student_in = enter_streams(family, student, batches)
+        if expert_states is None:
+            expert_states = CarriedExpertStates(weights.enter_experts(family, batches))
     return walk(family, student, weights, student_in, expert_states, config, **kwargs)
 
 
@@ -244,3 +247,31 @@ def expert_layer_states(family: Family, weights: BlockWeights, batches: Batches,
         with weights.block(index) as (_, experts):
             streams = {t: [family.run_block(experts[t], index, s) for s in ss] for t, ss in streams.items()}
         yield stack_hidden(streams)
+
+
+# --- the same forward order with a caller's own per-block step (RegMean, RegMean++) -----------------
+
+BlockStep = Callable[[int, nn.Module, dict[str, nn.Module], Streams], Streams]
+
+
+def walk_blocks(
+    weights: BlockWeights,
+    streams: Streams,
+    step: BlockStep,
+    *,
+    n_blocks: int,
+    progress: bool = True,
+    desc: str = "blocks",
+) -> Streams:
+    """Blocks 0..n_blocks−1 in forward order, with `step` in place of FeatCal's calibration step.
+
+    `step(k, base, experts, streams)` gets block k of the base and of each expert (as
+    `weights.block(k)` holds them) and the streams entering block k, and returns the streams
+    entering block k+1 (whose they are is the step's choice: each expert's own, or a merged
+    prefix's). Returns the streams after the last block. `walk` is the FeatCal loop; this one
+    lets the anchor merges that need block inputs (RegMean, RegMean++) share its order and weights.
+    """
+    for index in tqdm(range(n_blocks), desc=desc, unit="layer", disable=not progress):
+        with weights.block(index) as (base_bb, expert_bbs):
+            streams = step(index, base_bb, expert_bbs, streams)
+    return streams
