@@ -2,7 +2,9 @@
 
 A `Workbench` holds what every comparison shares (base, experts with their heads, tokenizer, task
 splits). Each method reads exactly the calibration batches it is given (train split, labels
-unused); the scores read the test split once per model.
+unused); the scores read the test split once per model. `merge_context` supplies a data merge
+method (RegMean, AdaMerging, SigMerge, ...) with what it declares it needs: train batches, dev
+scoring, shared examples — never test data.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .baselines import (
 from .calibrate import FeatCalConfig, calibrate
 from .corrupt import corrupt_texts
 from .data import Batches, TaskSplit, calibration_subset, fixed_width, read_split, tokenize_batches
+from .merging import MergeContext, data_options, get_method
 from .modeling import load_backbone, load_classifier, load_tokenizer, with_backbone
 from .profiling import Measurement, measure
 from .train import accuracy
@@ -74,8 +77,27 @@ def to_batches(bench: Workbench, texts: Mapping[str, list[str]]) -> Batches:
     }
 
 
-def merge(bench: Workbench, method: str, options: Mapping | None = None) -> nn.Module:
-    return merge_models(bench.base, bench.experts, method, options)
+def merge(bench: Workbench, method: str, options: Mapping | None = None, context: MergeContext | None = None) -> nn.Module:
+    return merge_models(bench.base, bench.experts, method, options, context)
+
+
+def merge_context(bench: Workbench, method: str, data: Mapping[str, int] | None = None) -> MergeContext:
+    """The data `method` declares it needs, from the workbench (`data`: how much of it, e.g.
+    {"examples_per_task": 256}; defaults from `featcal.merging.NEEDS`). Train batches are a seeded
+    sample of the train split, labels dropped; dev scores read the dev split; nothing reads test."""
+    needs = get_method(method).needs
+    data = {**data_options(method), **dict(data or {})}
+    context = MergeContext()
+    if "activations" in needs:
+        context.batches = to_batches(bench, calibration_texts(bench, int(data["examples_per_task"])))
+    if "dev_scores" in needs:
+        context.score_dev = lambda backbone: score_backbone(bench, backbone, split="dev")
+        context.expert_dev = score_experts(bench, split="dev")
+    if "shared_examples" in needs:
+        texts = calibration_texts(bench, int(data["shared_examples_per_task"]))
+        shared = [text for task in bench.tasks for text in texts[task]]
+        context.shared_batches = tokenize_batches(bench.tokenizer, shared, max(bench.lengths.values()), bench.batch_size)
+    return context
 
 
 @torch.no_grad()

@@ -45,8 +45,9 @@ from .calibrate import (
     student_backbone,
 )
 from .families import Family, family_for
-from .merging import build_options, merge_state_dicts
+from .merging import build_options, get_method, merge_state_dicts
 from .modeling import atomic_dir, check_finite, ratio_of, resolve_model_ref, task_vector_sums, warn_if_implausible
+from .profiling import phase
 from .walk import walk_all
 
 SINGLE_FILE = "model.safetensors"
@@ -287,7 +288,8 @@ class LazyBackbone:
 
     @contextlib.contextmanager
     def loaded(self, prefixes: Iterable[str]) -> Iterator[nn.Module]:
-        names = self.load(self.names_under(prefixes))
+        with phase("weights I/O"):
+            names = self.load(self.names_under(prefixes))
         try:
             yield self.module
         finally:
@@ -521,18 +523,23 @@ class ShardWriter:
 
 
 def streams(method: str, options: Mapping | None) -> bool:
-    """Whether `lazy_merge` can run this method (it acts tensor group by tensor group)."""
-    from .merging import MERGE_METHODS
+    """Whether `lazy_merge` can run this method: it declares no context and, with these options,
+    acts tensor group by tensor group (`featcal.merging.registry.MergeMethod.streams`)."""
+    return get_method(method).streams(build_options(method, options))
 
-    return method in MERGE_METHODS and not _trims_whole_model(method, build_options(method, options))
 
-
-def _trims_whole_model(method: str, opts) -> bool:
-    if method == "ties":
-        return opts.scope == "model"
-    if method == "dare" and opts.then == "ties":
-        return opts.ties_options().scope == "model"
-    return False
+def _refuse_unstreamable(method: str, opts) -> None:
+    spec = get_method(method)
+    if spec.needs:
+        raise ValueError(
+            f"merge method {method!r} needs {', '.join(sorted(spec.needs))} (models and data), which a per-block "
+            "merge from checkpoints does not have; use featcal.merge_models in memory with a MergeContext"
+        )
+    if not spec.streams(opts):
+        raise ValueError(
+            f"merge method {method!r} with scope='model' needs one threshold over the whole model, "
+            "which a per-block merge cannot compute; use scope='tensor' or featcal.merge_models in memory"
+        )
 
 
 def backbone_prefix(folder: Path, reader: CheckpointReader) -> str:
@@ -566,18 +573,15 @@ def lazy_merge(
     backbone as a Hugging Face folder (`AutoModel.from_pretrained(out_dir)` loads it).
 
     Same tensors as `featcal.merge_models` with the models loaded whole (methods act per tensor,
-    and names handed to the method are the backbone's, so DARE's seeded masks agree). TIES with
-    `scope="model"` trims over the whole model at once and is refused here. `prefix` selects the
+    and names handed to the method are the backbone's, so DARE's seeded masks agree). Methods
+    that need the whole model at once (TIES with `scope="model"`) or a context of models and data
+    (RegMean, AdaMerging, SigMerge, ...) are refused here (`streams` says which). `prefix` selects the
     backbone's tensors in task-model checkpoints (found from the config when None; "" for all).
     Output: shards of at most `max_shard_size` + `model.safetensors.index.json` (one file when it
     fits), `config.json` and the base folder's other small files; written atomically.
     """
     opts = build_options(method, options)
-    if _trims_whole_model(method, opts):
-        raise ValueError(
-            f"merge method {method!r} with scope='model' needs one threshold over the whole model, "
-            "which a per-block merge cannot compute; use scope='tensor' or featcal.merge_models in memory"
-        )
+    _refuse_unstreamable(method, opts)
     base_path = Path(resolve_model_ref(base_dir))
     base = CheckpointReader(base_path)
     paths = list(expert_dirs.values()) if isinstance(expert_dirs, Mapping) else list(expert_dirs)

@@ -1,23 +1,26 @@
-"""What SigMerge needs from models and data: dev scores and the experts' pooled block outputs.
+"""What SigMerge needs from models and data, and SigMerge as a registered merge method.
 
-The method itself (`featcal.merging.sigmerge`) sees tensors only; this module gathers its inputs:
-per-domain dev accuracy of the experts and of the anchor, and each expert's mean-pooled block
-outputs on one shared set of unlabelled train examples (for the CKA geometry signal).
+The method itself (`featcal.merging.sigmerge`) sees tensors only; this module gathers its inputs
+from a `MergeContext`: per-domain dev accuracy of the experts and of the anchor (the context's
+scoring callable), and each expert's mean-pooled block outputs on one shared set of unlabelled
+train examples (for the CKA geometry signal). `merge_models(base, experts, "sigmerge", options,
+context)` runs it like every other method; the decisions land in `context.record`.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from . import compare as cmp
-from .data import tokenize_batches
-from .families import Family, family_for
-from .merging.sigmerge import SigMergeOptions, anchor_merge, sigmerge
+from .families import Family
+from .merging.registry import MergeContext, StateDict, merge_state_dicts, register
+from .merging.sigmerge import SigMergeOptions, plot_admitted, sigmerge
 
 
 @torch.no_grad()
@@ -52,36 +55,37 @@ def block_index_of(family: Family, backbone: nn.Module) -> Callable[[str], int |
     return block_of
 
 
-def run_sigmerge(
-    bench: cmp.Workbench, options: SigMergeOptions | Mapping[str, Any], shared_examples_per_task: int = 16
-) -> tuple[nn.Module, dict[str, Any]]:
-    """SigMerge on a workbench: anchor merge, dev deficits, conflict signals, claiming.
+def write_admitted(record: Mapping[str, Any], folder: str | Path) -> None:
+    """SigMerge's report: the admitted-coordinates heat map as `folder`/admitted.png."""
+    plot_admitted(record, Path(folder) / "admitted.png")
 
-    Returns the merged backbone and the record (signals, capacities, deficits, admitted counts),
-    with the wall seconds spent beyond the anchor merge.
+
+@register("sigmerge", SigMergeOptions, needs=("dev_scores", "shared_examples"), report=write_admitted)
+def sigmerge_method(
+    base: StateDict, experts: Sequence[StateDict], opts: SigMergeOptions, context: MergeContext
+) -> StateDict:
+    """SigMerge on the anchor merge: dev deficits, conflict signals, claiming (`sigmerge.sigmerge`).
+
+    The record (signals, capacities, deficits, admitted counts) goes to `context.record`, with the
+    wall seconds of the anchor merge and of what SigMerge adds beyond it.
     """
-    options = options if isinstance(options, SigMergeOptions) else SigMergeOptions(**dict(options))
-    family = family_for(bench.base)
-    base_state = bench.base.state_dict()
-    expert_states = {t: family.backbone(m).state_dict() for t, m in bench.experts.items()}
+    family = context.family
+    expert_states = dict(zip(context.experts, experts))
     start = time.perf_counter()
-    anchor_state = anchor_merge(base_state, expert_states, options)
+    anchor_state = merge_state_dicts(opts.anchor, base, experts, dict(opts.anchor_options))
     anchor_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    anchor = cmp.merge(bench, options.anchor, options.anchor_options)
-    anchor_dev = cmp.score_backbone(bench, anchor, split="dev")
-    expert_dev = cmp.score_experts(bench, split="dev")
-    texts = cmp.calibration_texts(bench, shared_examples_per_task)
-    shared = [text for task in bench.tasks for text in texts[task]]
-    batches = tokenize_batches(bench.tokenizer, shared, max(bench.lengths.values()), bench.batch_size)
-    outputs = pooled_block_outputs(family, bench.experts, batches)
+    anchor = copy.deepcopy(context.base)
+    anchor.load_state_dict({**context.base.state_dict(), **anchor_state})
+    anchor_dev = context.score_dev(anchor.eval())
+    expert_dev = dict(context.expert_dev)
+    outputs = pooled_block_outputs(family, context.experts, context.shared_batches)
     state, record = sigmerge(
-        base_state, expert_states, anchor_state, block_index_of(family, bench.base), outputs,
-        expert_dev, anchor_dev, options,
+        base, expert_states, anchor_state, block_index_of(family, context.base), outputs, expert_dev, anchor_dev, opts,
     )
     record["wall_s"] = {"anchor": round(anchor_s, 2), "sigmerge_extra": round(time.perf_counter() - start, 2)}
     record["dev"] = {"experts": expert_dev, "anchor": anchor_dev}
-    merged = copy.deepcopy(bench.base)
-    merged.load_state_dict(state)
-    return merged.eval(), record
+    record["summary"] = {"admitted_total": record["total_admitted"], "coords_total": record["total_coords"]}
+    context.record.update(record)
+    return state

@@ -1,6 +1,8 @@
 """Stages `compare`, `sample-efficiency`, `corruption` (compare/dvc.yaml, outside the default run).
 
-compare:            per anchor merge — merge alone, + Surgery, + ProbSurgery, + FeatCal.
+compare:            per anchor merge (every registered anchor in compare.anchors: data-free ones, and
+                    RegMean, RegMean++, AdaMerging on their own train sample) — merge alone,
+                    + Surgery, + ProbSurgery, + FeatCal; accuracy, wall time and peak RSS of each.
 sample-efficiency:  the three calibrations at several calibration-set sizes (Task Arithmetic anchor).
 corruption:         the three calibrations on corrupted calibration texts, scored on clean test data.
 All methods read the same train-split calibration examples; everything is scored on test.
@@ -17,10 +19,11 @@ from tqdm.auto import tqdm
 from featcal import compare as cmp
 from featcal.baselines import ProbSurgeryConfig, SurgeryConfig
 from featcal.calibrate import FeatCalConfig
-from featcal.modeling import write_json
+from featcal.merging import split_options
 from featcal.merging.sigmerge import plot_admitted
+from featcal.modeling import write_json
 from featcal.plots import plot_lines
-from featcal.signatures import run_sigmerge
+from featcal.profiling import measure
 
 
 def methods(bench, merged, batches, settings, featcal_config):
@@ -38,6 +41,21 @@ def methods(bench, merged, batches, settings, featcal_config):
     return rows
 
 
+def merge_anchor(bench, anchor, options):
+    """The anchor merge and its row: options, data options, the merge's cost (a data method's
+    train sample and context included) and the method's summary."""
+    method_options, data = split_options(anchor, options)
+    with measure() as cost:
+        context = cmp.merge_context(bench, anchor, data)
+        merged = cmp.merge(bench, anchor, method_options, context)
+    row = {"options": method_options, "merge_cost": cost.as_dict()}
+    if data:
+        row["data"] = data
+    if "summary" in context.record:
+        row["merge_summary"] = context.record["summary"]
+    return merged, row
+
+
 def residual_gap(scores, experts) -> float:
     """Mean over tasks of expert accuracy − model accuracy (points)."""
     return round(100 * sum(experts[t] - scores[t] for t in experts) / len(experts), 2)
@@ -48,12 +66,14 @@ def sigmerge_table(bench, settings, featcal_config, experts, n):
     sig = settings["sigmerge"]
     batches = cmp.to_batches(bench, cmp.calibration_texts(bench, n))
     out = {"experts_avg": round(sum(experts.values()) / len(experts), 4), "anchors": {}}
+    context = cmp.merge_context(bench, "sigmerge", {"shared_examples_per_task": int(sig["shared_examples_per_task"])})
     for anchor in sig["anchors"]:
         anchor_options = settings["anchors"][anchor]
         candidates = []
         for c_min, c_max in tqdm(sig["grid"], desc=f"sigmerge({anchor}) grid", unit="setting"):
-            merged, record = run_sigmerge(bench, {"anchor": anchor, "anchor_options": anchor_options,
-                                                  "c_min": c_min, "c_max": c_max}, int(sig["shared_examples_per_task"]))
+            merged = cmp.merge(bench, "sigmerge", {"anchor": anchor, "anchor_options": anchor_options,
+                                                  "c_min": c_min, "c_max": c_max}, context)
+            record = dict(context.record)
             dev = cmp.score_backbone(bench, merged, split="dev")
             candidates.append((sum(dev.values()) / len(dev), c_min, c_max, merged, record))
         dev_avg, c_min, c_max, sig_merged, record = max(candidates, key=lambda c: c[0])
@@ -103,10 +123,10 @@ def main() -> None:
         batches = cmp.to_batches(bench, cmp.calibration_texts(bench, n))
         out = {"experts": cmp.summarise(experts, experts_avg, experts_avg), "examples_per_task": n, "anchors": {}}
         for anchor, options in tqdm(settings["anchors"].items(), desc="anchors", unit="merge"):
-            merged = cmp.merge(bench, anchor, options)
+            merged, row = merge_anchor(bench, anchor, options)
             merged_scores = cmp.score_backbone(bench, merged)
             merged_avg = sum(merged_scores.values()) / len(merged_scores)
-            out["anchors"][anchor] = {"options": options, "merged": cmp.summarise(merged_scores, experts_avg, merged_avg),
+            out["anchors"][anchor] = {**row, "merged": cmp.summarise(merged_scores, experts_avg, merged_avg),
                                       **summarise(methods(bench, merged, batches, settings, featcal_config), merged_avg)}
         write_json("results/compare.json", out)
         return

@@ -1,7 +1,10 @@
 """DVC stage `merge`: base + experts -> merged backbone (method and options from params.yaml).
 
-`merge.method: sigmerge` repairs an anchor merge with data (dev scores, shared train examples);
-its record (signals, capacities, deficits, admitted counts) goes to results/merge/.
+A method that acts tensor group by tensor group is streamed from the checkpoints (`lazy_merge`,
+never a whole expert in memory). Any other runs in memory through `merge_models`, with the context
+its registry entry declares (train batches, dev scores, shared examples) built from the task data;
+`merge.options` may say how much data (`examples_per_task`, `shared_examples_per_task`). What the
+method reports goes to results/merge/record.json, with its figures (SigMerge: admitted.png).
 """
 
 from __future__ import annotations
@@ -13,12 +16,10 @@ from pathlib import Path
 from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
 
 from featcal import merge_models
-from featcal.compare import load_workbench
-from featcal.merging.sigmerge import plot_admitted
+from featcal.compare import load_workbench, merge_context
 from featcal.lazy import lazy_merge, load_head, streams
-from featcal.modeling import (atomic_dir, check_experts_fit_base, check_model_types, load_backbone, load_classifier,
-                              load_tokenizer, save_heads, save_multitask, write_json)
-from featcal.signatures import run_sigmerge
+from featcal.merging import get_method, split_options
+from featcal.modeling import atomic_dir, check_model_types, load_tokenizer, save_heads, save_multitask, write_json
 
 RECORD_DIR = Path("results/merge")
 
@@ -28,32 +29,30 @@ def main() -> None:
     params = load_params()
     tasks = enabled_tasks(params)
     method = get(params, "merge.method")
-    options = dict(get(params, "merge.options", {}) or {})
+    options, data = split_options(method, get(params, "merge.options", {}) or {})
     base_ref = get(params, "model.base")
+    expert_dirs = {t: f"experts/{t}" for t in tasks}
     shutil.rmtree(RECORD_DIR, ignore_errors=True)
     with timed("merge"):
-        record = {"method": method, "options": options}
-        if method == "sigmerge":
-            shared = int(options.pop("shared_examples_per_task", 16))
-            bench = load_workbench(base_ref, {t: f"experts/{t}" for t in tasks}, get(params, "tasks_dir"),
-                                   {t: max_length(params, t) for t in tasks}, int(get(params, "seed")))
-            check_experts_fit_base(bench.base, bench.experts)   # what merge_models checks for the other methods
-            merged, record = run_sigmerge(bench, options, shared)
-            experts = bench.experts
-            plot_admitted(record, RECORD_DIR / "admitted.png")
-            save_multitask("models/merged", merged, experts, load_tokenizer(base_ref))
-        elif streams(method, options):   # tensor group by tensor group: never a whole expert in memory
-            check_model_types(base_ref, {t: f"experts/{t}" for t in tasks})
+        record = {"method": method, "options": options, **({"data": data} if data else {})}
+        if streams(method, options):   # tensor group by tensor group: never a whole expert in memory
+            check_model_types(base_ref, expert_dirs)
             with atomic_dir("models/merged") as tmp:
-                lazy_merge(base_ref, {t: f"experts/{t}" for t in tasks}, method, options, tmp / "backbone")
+                lazy_merge(base_ref, expert_dirs, method, options, tmp / "backbone")
                 for item in (tmp / "backbone").iterdir():
                     os.replace(item, tmp / item.name)
                 (tmp / "backbone").rmdir()
-                save_heads(tmp, {t: load_head(f"experts/{t}") for t in tasks}, load_tokenizer(base_ref))
+                save_heads(tmp, {t: load_head(d) for t, d in expert_dirs.items()}, load_tokenizer(base_ref))
         else:
-            experts = {t: load_classifier(f"experts/{t}") for t in tasks}
-            merged = merge_models(load_backbone(base_ref), experts, method, options)
-            save_multitask("models/merged", merged, experts, load_tokenizer(base_ref))
+            bench = load_workbench(base_ref, expert_dirs, get(params, "tasks_dir"),
+                                   {t: max_length(params, t) for t in tasks}, int(get(params, "seed")))
+            context = merge_context(bench, method, data)
+            merged = merge_models(bench.base, bench.experts, method, options, context)
+            save_multitask("models/merged", merged, bench.experts, bench.tokenizer)
+            record.update(context.record)
+            report = get_method(method).report
+            if report is not None:
+                report(record, RECORD_DIR)
         write_json(RECORD_DIR / "record.json", record)
     print(f"merged {len(tasks)} experts with {method} -> models/merged")
 

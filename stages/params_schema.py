@@ -26,8 +26,6 @@ CHAIN_FILE = "stages/chain.yaml"
 HYPER_KEYS = ("alpha", "rho", "ridge")
 CACHE_DTYPES = tuple(STORAGE_DTYPES)   # float32 | bfloat16 | float16 | float64 (models run in float64)
 CACHE_COMPRESSORS = COMPRESSORS
-SIGMERGE = "sigmerge"
-SIGMERGE_STAGE_OPTIONS = ("shared_examples_per_task",)  # read by stages/merge.py, not by the method
 # scheme://user:password@host — a password written into params would be recorded in dvc.lock
 URL_WITH_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@:\s]*:[^/@\s]+@")
 
@@ -418,38 +416,20 @@ def check_merge(params: Params) -> None:
 
 
 def check_merge_options(method: str, options: Mapping, where: str, key_is_method: bool = False) -> None:
-    from featcal.merging import MERGE_METHODS, build_options
+    """A registered method, with options its dataclass accepts and, for a data method, data options
+    (`examples_per_task`, ...) of the context it declares (`featcal.merging.split_options`)."""
+    from featcal.merging import MERGE_METHODS, build_options, split_options
 
-    known = sorted(set(MERGE_METHODS) | {SIGMERGE})
+    known = sorted(MERGE_METHODS)
     place = where if key_is_method else f"{where}.method"
     if method not in known:
         raise ParamsError(f"{place} = {method!r}: not a merge method{_closest(method, known)}; known: {', '.join(known)}")
     options_where = where if key_is_method else f"{where}.options"
     try:
-        if method == SIGMERGE and method not in MERGE_METHODS:
-            _sigmerge_options(options, options_where)
-        else:
-            build_options(method, {k: v for k, v in options.items()
-                                   if not (method == SIGMERGE and k in SIGMERGE_STAGE_OPTIONS)})
-    except ParamsError:
-        raise
+        method_options, _ = split_options(method, options)
+        build_options(method, method_options)
     except (TypeError, ValueError) as err:
         raise ParamsError(f"{options_where}: {err}") from None
-    if method == SIGMERGE and "shared_examples_per_task" in options:
-        integer(1)(options["shared_examples_per_task"], f"{options_where}.shared_examples_per_task")
-
-
-def _sigmerge_options(options: Mapping, where: str) -> None:
-    from featcal.merging.sigmerge import SigMergeOptions
-
-    known = [f.name for f in fields(SigMergeOptions)] + list(SIGMERGE_STAGE_OPTIONS)
-    for key in options:
-        if key not in known:
-            raise unknown_key(where, key, known, "option")
-    SigMergeOptions(**{k: v for k, v in options.items() if k not in SIGMERGE_STAGE_OPTIONS})
-    anchor = options.get("anchor", "task_arithmetic")
-    check_merge_options(anchor, mapping(options.get("anchor_options"), f"{where}.anchor_options"),
-                        f"{where}.anchor_options", key_is_method=True)
 
 
 def check_compare(params: Params) -> None:

@@ -68,12 +68,15 @@ class TiesOptions:
     """TIES: trim, elect sign, disjoint mean; θ = θ₀ + s·τ_m.
 
     density: k, the fraction of entries of each task vector kept by |τ| (default 0.2 = top-20%).
-        Exactly round(k·n) entries are kept (halves round up), ties at the threshold broken by
-        lowest index; k = 0 keeps nothing, so the result is θ₀.
+        Exactly ⌊k·n + 1/2⌋ of the n entries are kept (``keep_count``: round half up, clipped to
+        [0, n]; mergekit truncates to ⌊k·n⌋ instead, so where k·n has a fractional part >= 1/2
+        this keeps one entry more than mergekit), ties at the threshold broken by lowest index;
+        k = 0 keeps nothing, so the result is θ₀.
     scale: s (default 0.3, chosen to match Task Arithmetic since the spec gives no TIES default;
         the TIES paper tunes s on a validation split and often lands near 1.0, because τ_m is a
         mean rather than a sum).
-    scope: "tensor" (default; trim each tensor of τ_t separately, as mergekit does) or "model"
+    scope: "tensor" (default; trim each tensor of τ_t separately, as mergekit does, but with the
+        keep count above) or "model"
         (trim over the whole flattened task vector across all floating tensors, as the original
         paper; ties broken by position in base-dict order, then flat index).
     """
@@ -151,7 +154,8 @@ def task_vectors(base: StateDict, experts: Sequence[StateDict]) -> list[StateDic
 
 
 def keep_count(density: float, n: int) -> int:
-    """round(k·n) with halves rounded up, clipped to [0, n]."""
+    """⌊k·n + 1/2⌋ (round half up, not Python's half-to-even), clipped to [0, n]; mergekit's
+    magnitude trim keeps int(k·n), one fewer when the fractional part of k·n is >= 1/2."""
     return min(n, max(0, math.floor(density * n + 0.5)))
 
 
@@ -314,13 +318,14 @@ def task_arithmetic(base: StateDict, experts: Sequence[StateDict], opts: TaskAri
     return task_arithmetic_from_task_vectors(base, task_vectors(base, experts), opts.scale)
 
 
-@register("ties", TiesOptions)
+@register("ties", TiesOptions, whole_model=lambda opts: opts.scope == "model")
 def ties(base: StateDict, experts: Sequence[StateDict], opts: TiesOptions) -> StateDict:
     """θ = θ₀ + s·τ_m: trim τ_t to its top-k |τ|, elect γ = sgn(Σ_t τ̂_t), disjoint mean τ_m."""
     return ties_from_task_vectors(base, task_vectors(base, experts), opts)
 
 
-@register("dare", DareOptions)
+@register("dare", DareOptions,
+          whole_model=lambda opts: opts.then == "ties" and opts.ties_options().scope == "model")
 def dare(base: StateDict, experts: Sequence[StateDict], opts: DareOptions) -> StateDict:
     """τ̃_t = (m_t ⊙ τ_t)/(1 − p), m_t ~ Bernoulli(1 − p); then Task Arithmetic or TIES on τ̃_t."""
     rescaled = [

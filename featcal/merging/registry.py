@@ -1,12 +1,26 @@
 """Registry of merge methods and the one entry point that validates inputs and runs them.
 
-A merge method is a pure function ``fn(base, experts, opts) -> merged`` over *backbone* state
-dicts (name -> tensor). It declares its options as a frozen dataclass. Adding a method is one
-``@register("name", OptionsCls)`` line on that function; no method reads or writes files.
+A merge method is a function ``fn(base, experts, opts) -> merged`` over *backbone* state dicts
+(name -> tensor). It declares its options as a frozen dataclass, and what else it needs:
+
+- ``needs``: the context a data method reads besides the state dicts (``NEEDS`` lists them:
+  "activations" — the models and each task's unlabelled train batches; "dev_scores" — dev accuracy
+  of a backbone under each task's head; "shared_examples" — one batch set every expert runs on).
+  A method with needs is called ``fn(base, experts, opts, context)`` with a ``MergeContext``
+  holding them; one without needs never sees a context (it stays a pure tensor function).
+- ``whole_model``: whether, for given options, it needs every tensor at once (TIES trimming over
+  the whole model). A method without needs and not whole-model acts tensor group by tensor group,
+  so ``featcal.lazy.lazy_merge`` can stream it (``MergeMethod.streams``).
+- ``report``: an optional writer of the method's figures from its record (SigMerge's heat map).
+
+Adding a method is one ``@register("name", OptionsCls, ...)`` line on that function; no method
+reads or writes files.
 
 ``merge_state_dicts`` is the only place that:
 - checks that every expert has exactly the base's tensor names and shapes,
 - builds the options dataclass from a plain mapping (unknown keys are an error),
+- checks that a data method got the context it declares (an error names the method and what is
+  missing),
 - upcasts floating tensors to float32 (float64 stays float64) before the method sees them and
   casts the result back to the base dtype, and
 - copies non-floating tensors (integer buffers such as ``position_ids``) from the base unchanged.
@@ -18,42 +32,123 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from featcal.families import Family
 
 StateDict = dict[str, Tensor]
-MergeFn = Callable[[StateDict, Sequence[StateDict], Any], StateDict]
+MergeFn = Callable[..., StateDict]
+Batches = Mapping[str, Sequence[Mapping[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class Need:
+    """One kind of context: the ``MergeContext`` fields it consists of, what they are, and the
+    options that say how much data a supplier gathers for it (with their defaults)."""
+
+    fields: tuple[str, ...]
+    description: str
+    data_options: Mapping[str, int] = field(default_factory=dict)
+
+
+# The models (base, experts, family) come from the driver (`featcal.merge_models`); the data from
+# whoever calls it (`featcal.compare.merge_context` for the stages).
+NEEDS: dict[str, Need] = {
+    "activations": Need(
+        ("base", "experts", "family", "batches"),
+        "the base and expert models and, per task, unlabelled train batches (each expert runs on its own task's)",
+        {"examples_per_task": 256},
+    ),
+    "dev_scores": Need(
+        ("base", "experts", "family", "score_dev", "expert_dev"),
+        "dev accuracy per task of a backbone under each task's head (score_dev) and of each expert (expert_dev)",
+    ),
+    "shared_examples": Need(
+        ("experts", "family", "shared_batches"),
+        "one set of unlabelled train batches from every task that every expert runs on",
+        {"shared_examples_per_task": 16},
+    ),
+}
+
+
+@dataclass
+class MergeContext:
+    """What data methods read besides the state dicts, and where they report.
+
+    base: the base backbone; experts: task -> expert model (with its head), in the order of the
+    expert state dicts; family: their ``featcal.families.Family``. ``featcal.merge_models`` fills
+    these three. batches: task -> unlabelled train batches (never test); shared_batches: one batch
+    list of every task's examples; score_dev: backbone -> {task: dev accuracy under that task's
+    head}; expert_dev: {task: dev accuracy of its expert}. record: filled by the method with what
+    it decided (cleared at the start of every merge).
+    """
+
+    base: nn.Module | None = None
+    experts: Mapping[str, nn.Module] | None = None
+    family: "Family | None" = None
+    batches: Batches | None = None
+    shared_batches: Sequence[Mapping[str, Tensor]] | None = None
+    score_dev: Callable[[nn.Module], dict[str, float]] | None = None
+    expert_dev: Mapping[str, float] | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def missing(self, needs: Sequence[str]) -> list[str]:
+        """The fields of ``needs`` that are not set, in declaration order."""
+        wanted = [f for need in needs for f in NEEDS[need].fields]
+        return [f for f in dict.fromkeys(wanted) if getattr(self, f) is None]
 
 
 @dataclass(frozen=True)
 class MergeMethod:
-    """One registered merge method: its name, the function, and its options dataclass."""
+    """One registered merge method: its name, the function, its options dataclass, the context it
+    needs, whether (for given options) it needs the whole model at once, and its report writer."""
 
     name: str
     fn: MergeFn
     options_cls: type
+    needs: frozenset[str] = frozenset()
+    whole_model: Callable[[Any], bool] | None = None
+    report: Callable[[Mapping[str, Any], Any], None] | None = None
+
+    def streams(self, opts: Any) -> bool:
+        """Whether it acts tensor group by tensor group (no context, not whole-model)."""
+        return not self.needs and not (self.whole_model is not None and self.whole_model(opts))
 
 
 MERGE_METHODS: dict[str, MergeMethod] = {}
 
 
-def register(name: str, options_cls: type) -> Callable[[MergeFn], MergeFn]:
-    """Decorator: register ``fn(base, experts, opts) -> merged`` under ``name``.
+def register(
+    name: str,
+    options_cls: type,
+    *,
+    needs: Sequence[str] = (),
+    whole_model: Callable[[Any], bool] | None = None,
+    report: Callable[[Mapping[str, Any], Any], None] | None = None,
+) -> Callable[[MergeFn], MergeFn]:
+    """Decorator: register ``fn(base, experts, opts[, context]) -> merged`` under ``name``.
 
-    ``options_cls`` must be a frozen dataclass whose fields all have defaults.
+    ``options_cls`` must be a frozen dataclass whose fields all have defaults; ``needs`` names
+    entries of ``NEEDS`` (then ``fn`` takes the context as fourth argument); ``whole_model(opts)``
+    says when it cannot run tensor group by tensor group; ``report(record, folder)`` writes figures.
     """
     if not (dataclasses.is_dataclass(options_cls) and isinstance(options_cls, type)):
         raise TypeError(f"merge method {name!r}: options_cls must be a dataclass, got {options_cls!r}")
     if not options_cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
         raise TypeError(f"merge method {name!r}: options dataclass {options_cls.__name__} must be frozen")
+    unknown = sorted(set(needs) - set(NEEDS))
+    if unknown:
+        raise ValueError(f"merge method {name!r}: unknown needs {unknown}; known: {', '.join(NEEDS)}")
 
     def decorator(fn: MergeFn) -> MergeFn:
         if name in MERGE_METHODS:
             raise ValueError(f"merge method {name!r} is already registered")
-        MERGE_METHODS[name] = MergeMethod(name=name, fn=fn, options_cls=options_cls)
+        MERGE_METHODS[name] = MergeMethod(name, fn, options_cls, frozenset(needs), whole_model, report)
         return fn
 
     return decorator
@@ -95,6 +190,43 @@ def build_options(method: str, options: Mapping[str, Any] | Any | None = None) -
     return cls(**dict(options))
 
 
+def data_options(method: str) -> dict[str, int]:
+    """The options that say how much data a supplier gathers for ``method``'s needs, with defaults
+    (e.g. RegMean's ``examples_per_task``); they are not the method's own options."""
+    spec = get_method(method)
+    return {k: v for need in sorted(spec.needs) for k, v in NEEDS[need].data_options.items()}
+
+
+def split_options(method: str, options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the method's options, the data options with defaults filled) from one mapping, as written
+    in params.yaml: a data method's block may say how much data to gather next to its options."""
+    options = dict(options or {})
+    data = data_options(method)
+    for key in data:
+        if key in options:
+            value = options.pop(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"merge method {method!r}: option {key!r} must be an integer >= 1, got {value!r}")
+            data[key] = value
+    return options, data
+
+
+def check_context(method: str, context: MergeContext | None) -> MergeContext:
+    """The context of a data method, or ValueError naming the method, each missing need and its fields."""
+    spec = get_method(method)
+    context = context if context is not None else MergeContext()
+    missing = context.missing(sorted(spec.needs))
+    if missing:
+        needs = [f"{n} ({NEEDS[n].description}: {', '.join(f for f in NEEDS[n].fields if f in missing)})"
+                 for n in sorted(spec.needs) if any(f in missing for f in NEEDS[n].fields)]
+        raise ValueError(
+            f"merge method {method!r} needs context that was not given: {'; '.join(needs)}. Pass "
+            "context=MergeContext(...) to featcal.merge_models (it fills base, experts and family) "
+            "or merge_state_dicts"
+        )
+    return context
+
+
 def _check_compatible(base: Mapping[str, Tensor], experts: Sequence[Mapping[str, Tensor]]) -> None:
     """Raise ValueError at the first tensor (in base order) whose name or shape differs."""
     if len(experts) == 0:
@@ -133,16 +265,25 @@ def merge_state_dicts(
     base: Mapping[str, Tensor],
     experts: Sequence[Mapping[str, Tensor]],
     options: Mapping[str, Any] | Any | None = None,
+    context: MergeContext | None = None,
 ) -> StateDict:
     """Merge ``experts`` (fine-tuned from ``base``) with the registered ``method``.
 
     Floating tensors are upcast to ``compute_dtype`` (>= float32), merged, and cast back to the
     base dtype; non-floating tensors are copied from ``base``. The result keeps the base's order.
+    A data method gets ``context`` (checked to hold what it needs; its ``record`` is cleared first);
+    a method without needs ignores it.
     """
     spec = get_method(method)
     opts = build_options(method, options)
     experts = list(experts)
     _check_compatible(base, experts)
+    if spec.needs:
+        context = check_context(method, context)
+        if len(context.experts) != len(experts):
+            raise ValueError(f"merge method {method!r}: the context holds {len(context.experts)} expert models "
+                             f"for {len(experts)} expert state dicts")
+        context.record.clear()
 
     float_names = [n for n, t in base.items() if t.is_floating_point()]
     float_base: StateDict = {}
@@ -153,7 +294,12 @@ def merge_state_dicts(
         for i, expert in enumerate(experts):
             float_experts[i][name] = expert[name].to(device=base[name].device, dtype=dt)
 
-    merged = spec.fn(float_base, float_experts, opts) if float_names else {}
+    if not float_names:
+        merged = {}
+    elif spec.needs:
+        merged = spec.fn(float_base, float_experts, opts, context)
+    else:
+        merged = spec.fn(float_base, float_experts, opts)
     if set(merged) != set(float_names):
         missing = sorted(set(float_names) - set(merged))
         extra = sorted(set(merged) - set(float_names))

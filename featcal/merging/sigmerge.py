@@ -52,7 +52,7 @@ from torch import Tensor
 
 from featcal.merging import dense as _dense  # noqa: F401  (registers the dense anchors)
 from featcal.merging.dense import keep_count
-from featcal.merging.registry import StateDict, compute_dtype, get_method, merge_state_dicts
+from featcal.merging.registry import StateDict, build_options, compute_dtype, get_method, merge_state_dicts
 
 SIGNALS = ("geometry", "direction", "demand")
 
@@ -69,7 +69,7 @@ def _real(key: str, value: object) -> float:
 class SigMergeOptions:
     """Options of SigMerge.
 
-    anchor: registered dense merge that gives θ_A (default "task_arithmetic"); used by
+    anchor: registered data-free merge that gives θ_A (default "task_arithmetic"); used by
         ``anchor_merge`` and recorded — ``sigmerge`` itself receives θ_A already computed.
     anchor_options: options of the anchor merge (a plain mapping; None/empty → its defaults).
     c_min, c_max: capacity range, 0 ≤ c_min ≤ c_max ≤ 1 (defaults 0.02 and 0.2, "to tune").
@@ -85,11 +85,18 @@ class SigMergeOptions:
     gamma: float = 1.0
 
     def __post_init__(self) -> None:
-        get_method(self.anchor)  # ValueError naming the registered methods
+        anchor = get_method(self.anchor)  # ValueError naming the registered methods
+        if anchor.needs:
+            raise ValueError(f"sigmerge: anchor {self.anchor!r} needs {', '.join(sorted(anchor.needs))}; SigMerge "
+                             "repairs a data-free anchor merge")
         if self.anchor_options is None:
             object.__setattr__(self, "anchor_options", {})
         if not isinstance(self.anchor_options, Mapping):
             raise ValueError(f"sigmerge: option 'anchor_options' must be a mapping, got {self.anchor_options!r}")
+        try:
+            build_options(self.anchor, dict(self.anchor_options))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"sigmerge: option 'anchor_options': {err}") from None
         c_min, c_max = _real("c_min", self.c_min), _real("c_max", self.c_max)
         if not 0.0 <= c_min <= c_max <= 1.0:
             raise ValueError(f"sigmerge: need 0 <= c_min <= c_max <= 1, got c_min={c_min}, c_max={c_max}")
