@@ -37,6 +37,14 @@ repro: setup
 bench: setup
 	$(PY) bench/calibration_cost.py
 	$(PY) bench/alpha_rerun.py
+	$(MAKE) --no-print-directory bench-scaling
+
+# FeatCal's wall time and peak RSS against examples per task, number of tasks and hidden width
+# (synthetic BERTs, one fresh process per run; sized for under ~8 min on an idle 2-core machine;
+# `--quick` is a smoke run): results/scaling.json, results/plots/scaling.png.
+.PHONY: bench-scaling
+bench-scaling: setup
+	$(PY) bench/scaling.py
 
 clean:
 	rm -rf .venv
