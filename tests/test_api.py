@@ -4,12 +4,12 @@ import torch
 from transformers import AutoModel
 
 from featcal import FeatCalConfig, calibrate, load_task_model, merge_models, save_multitask
-from test_calibrate import batches_for, perturbed, tiny_bert
+from conftest import batches_for, perturbed, tiny_bert
 
 
 def test_merge_calibrate_save_and_load_round_trip(tmp_path):
     base = tiny_bert()
-    experts = {t: perturbed(base, i + 1, scale=0.1) for i, t in enumerate(["a", "b"])}
+    experts = {t: perturbed(base, i + 1, scale=0.1, encoder_only=True) for i, t in enumerate(["a", "b"])}
     merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
     result = calibrate(merged, base, experts, batches_for(experts), FeatCalConfig(), progress=False)
     save_multitask(tmp_path / "model", result.backbone, experts)

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
 
 from featcal.baselines import (
     ProbSurgeryConfig,
@@ -16,17 +15,9 @@ from featcal.baselines import (
     train_probsurgery,
     train_surgery,
 )
+from conftest import tiny_bert
 
 D = 24
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tensors here are tiny: one thread is faster and does not fight other jobs for cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def shifted_problem(n=64, seed=0):
@@ -40,13 +31,6 @@ def shifted_problem(n=64, seed=0):
         merged[t] = f
         expert[t] = f + torch.relu(f @ u) @ v * 0.3
     return merged, expert
-
-
-def tiny_bert(seed=0):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=50, hidden_size=D, num_hidden_layers=1, num_attention_heads=4,
-                     intermediate_size=32, max_position_embeddings=32, num_labels=3)
-    return BertForSequenceClassification(cfg).eval()
 
 
 def tiny_batches(n_batches=2, seed=0):
@@ -139,7 +123,7 @@ def test_deterministic_for_a_seed():
 
 
 def test_surgery_classifier_identity_then_differs():
-    model = tiny_bert()
+    model = tiny_bert(layers=1, vocab=50, hidden=D, intermediate=32, num_labels=3)
     batches = tiny_batches()
     wrapped = SurgeryClassifier(model, SurgeryModule(D)).eval()
     with torch.no_grad():

@@ -4,25 +4,9 @@ import copy
 
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
 
 from featcal.calibrate import FeatCalConfig, calibrate
-
-
-def tiny_bert(seed=0, layers=2):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=60, hidden_size=24, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=48, num_labels=2, max_position_embeddings=32)
-    return BertForSequenceClassification(cfg).eval()
-
-
-def perturbed(model, seed, scale=0.05):
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.bert.encoder.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return out
+from conftest import batches_for, perturbed, tiny_bert
 
 
 def task_arithmetic(base, experts, scale=0.3):
@@ -36,19 +20,6 @@ def task_arithmetic(base, experts, scale=0.3):
     return merged
 
 
-def batches_for(tasks, seed=0, n_batches=2, bs=6, length=9):
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for t in tasks:
-        out[t] = []
-        for _ in range(n_batches):
-            mask = torch.ones(bs, length, dtype=torch.long)
-            mask[0, 5:] = 0
-            mask[2, 3:] = 0
-            out[t].append(dict(input_ids=torch.randint(1, 60, (bs, length), generator=g), attention_mask=mask))
-    return out
-
-
 def test_identical_experts_merge_and_base_change_nothing():
     base = tiny_bert()
     experts = {"a": copy.deepcopy(base), "b": copy.deepcopy(base)}
@@ -60,7 +31,7 @@ def test_identical_experts_merge_and_base_change_nothing():
 def test_alpha_zero_rho_one_with_experts_equal_to_merge_changes_nothing():
     # Experts equal to the merged model (base differs): α = 0 and ρ = 1 leave every parameter as it is.
     base = tiny_bert()
-    merged = perturbed(base, 1)
+    merged = perturbed(base, 1, 0.05, encoder_only=True)
     experts = {"a": copy.deepcopy(merged), "b": copy.deepcopy(merged)}
     config = FeatCalConfig(alpha=0.0, rho=1.0)
     result = calibrate(merged, base, experts, batches_for(experts), config, progress=False)
@@ -70,7 +41,7 @@ def test_alpha_zero_rho_one_with_experts_equal_to_merge_changes_nothing():
 
 def test_large_ridge_returns_the_anchor_blend():
     base = tiny_bert()
-    experts = {t: perturbed(base, i + 2) for i, t in enumerate("abc")}
+    experts = {t: perturbed(base, i + 2, 0.05, encoder_only=True) for i, t in enumerate("abc")}
     merged = task_arithmetic(base, experts.values())
     rho = 1.7
     result = calibrate(merged, base, experts, batches_for(experts), FeatCalConfig(ridge=1e10, rho=rho), progress=False)
@@ -82,7 +53,7 @@ def test_large_ridge_returns_the_anchor_blend():
 
 def test_calibration_lowers_last_layer_drift():
     base = tiny_bert()
-    experts = {t: perturbed(base, i + 2, scale=0.2) for i, t in enumerate("abc")}
+    experts = {t: perturbed(base, i + 2, scale=0.2, encoder_only=True) for i, t in enumerate("abc")}
     merged = task_arithmetic(base, experts.values())
     batches = batches_for(experts, n_batches=3)
     calibrated = calibrate(merged, base, experts, batches, progress=False)
@@ -99,7 +70,7 @@ def test_real_minilm_base_loads_offline_and_calibrates():
     base = load_classifier(ref, num_labels=2)
     tokenizer = load_tokenizer(ref)
     assert base.config.num_hidden_layers == 6 and base.config.hidden_size == 384
-    experts = {t: perturbed(base, i, scale=0.002) for i, t in enumerate(["pos", "neg"])}
+    experts = {t: perturbed(base, i, scale=0.002, encoder_only=True) for i, t in enumerate(["pos", "neg"])}
     merged = task_arithmetic(base, experts.values())
     texts = {"pos": ["a fine film", "great acting and a clever plot"], "neg": ["dull", "a waste of two hours"]}
     batches = {t: [dict(tokenizer(x, padding=True, return_tensors="pt"))] for t, x in texts.items()}

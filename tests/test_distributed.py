@@ -10,7 +10,6 @@ the float64 epsilon and far below any difference calibration makes (weights move
 Measured: max |Δ| = 4e-15. In float32 the runs would agree to a few float32 ulps (~1e-7) instead.
 """
 
-import copy
 import json
 import os
 import re
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModel, BertConfig, BertForSequenceClassification
+from transformers import AutoModel
 
 from featcal import merge_models
 from featcal.calibrate import FeatCalConfig, calibrate
@@ -32,25 +31,10 @@ from featcal.distributed import (
     zero_moments,
 )
 from featcal.moments import LinearMoments, NormMoments
+from conftest import perturbed, tiny_bert
 
 RTOL = ATOL = 1e-9
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_bert(seed=0, layers=3):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=60, hidden_size=24, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=48, num_labels=2, max_position_embeddings=32)
-    return BertForSequenceClassification(cfg).eval().double()
-
-
-def perturbed(model, seed, scale=0.1):
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.bert.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return out
 
 
 def make_batches(counts, seed=0, bs=4, length=8):
@@ -94,7 +78,7 @@ def test_one_process_reduction_only_fills_missing_tasks_with_zeros():
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
-    base = tiny_bert()
+    base = tiny_bert(layers=3, dtype=torch.float64)
     experts = {t: perturbed(base, i + 1) for i, t in enumerate(["a", "b", "c"])}
     merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
     base.save_pretrained(root / "base")

@@ -23,21 +23,13 @@ from featcal.calibrate import FeatCalConfig, calibrate
 from featcal.evaluate import layer_drift as evaluate_layer_drift
 from featcal.families import FAMILIES, Family, Stream, family_for
 from featcal.families.base import first_output
+from conftest import tiny_bert
 
 VOCAB, PAD, EOS = 64, 0, 1
 HIDDEN, LAYERS, HEADS, FFN = 32, 2, 4, 64
 IMAGE, PATCH = 16, 4
 TASKS = ("a", "b", "c")
 MERGE_SCALE = 0.3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine they spin: use one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -95,10 +87,8 @@ def seeded(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
 
 
 def bert() -> nn.Module:
-    return tf.BertForSequenceClassification(tf.BertConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        intermediate_size=FFN, max_position_embeddings=32, num_labels=3, pad_token_id=PAD,
-    ))
+    return tiny_bert(0, LAYERS, vocab=VOCAB, hidden=HIDDEN, intermediate=FFN, positions=32, num_labels=3,
+                     pad_token_id=PAD)
 
 
 def vit() -> nn.Module:
@@ -242,10 +232,55 @@ def task_arithmetic(base: nn.Module, experts: dict[str, nn.Module], scale: float
     return merged.eval()
 
 
-def layer_drift(family: Family, student: nn.Module, experts: dict[str, nn.Module],
-                batches: dict[str, list[dict]]) -> list[float]:
-    """Mean L2 distance, per block output, between the student's and each expert's own stream."""
-    return [d.l2 for d in evaluate_layer_drift(family, experts, student, batches)]
+# Each case's transformer blocks in forward order, by the model's own attribute names (not featcal's).
+BLOCKS: dict[str, Callable[[nn.Module], list[nn.Module]]] = {
+    "bert": lambda m: list(m.bert.encoder.layer),
+    "vit": lambda m: list(m.vit.layers if hasattr(m.vit, "layers") else m.vit.encoder.layer),
+    "clip": lambda m: list(m.vision_model.encoder.layers),
+    "llama": lambda m: list(m.model.layers),
+    "t5": lambda m: [*m.transformer.encoder.block, *m.transformer.decoder.block],
+}
+
+
+@torch.no_grad()
+def block_outputs(case: Case, model: nn.Module, batch: dict[str, Tensor]) -> tuple[list[Tensor], Tensor]:
+    """Every block's output in one plain forward of the whole model (forward hooks on its blocks;
+    `output_hidden_states` would hand back Llama's and T5's last outputs after the final norm), and the
+    real-token mask of their rows: the attention mask (T5's decoder reads the shifted inputs, of the
+    same length and mask), every token for images. T5 also gives its encoder output (after
+    final_layer_norm) as an extra last entry."""
+    seen: list[Tensor] = []
+    hooks = [block.register_forward_hook(lambda _m, _a, out: seen.append(out[0] if isinstance(out, tuple) else out))
+             for block in BLOCKS[case.name](model)]
+    try:
+        out = model(**batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if case.name == "t5":
+        seen.append(out.encoder_last_hidden_state)
+    mask = batch.get("attention_mask")
+    return seen, (torch.ones(seen[0].shape[:2], dtype=torch.bool) if mask is None else mask.bool())
+
+
+def layer_drift(case: Case, student: nn.Module, experts: dict[str, nn.Module],
+                batches: dict[str, list[dict]]) -> list[tuple[float, float]]:
+    """(mean L2 distance, mean cosine similarity) per block output between the student's and each
+    task's expert's own forward, over every real token of every batch of every task: computed here
+    from `block_outputs`, with no featcal code."""
+    sums = None
+    count = 0
+    for task, task_batches in batches.items():
+        for batch in task_batches:
+            (student_out, mask), (expert_out, _) = block_outputs(case, student, batch), block_outputs(case, experts[task], batch)
+            if sums is None:
+                sums = torch.zeros(len(student_out), 2, dtype=torch.float64)
+            for k, (hs, he) in enumerate(zip(student_out, expert_out, strict=True)):
+                hs, he = hs[mask].double(), he[mask].double()
+                sums[k, 0] += (hs - he).pow(2).sum(-1).sqrt().sum()
+                sums[k, 1] += ((hs * he).sum(-1) / (hs.pow(2).sum(-1).sqrt() * he.pow(2).sum(-1).sqrt())).sum()
+            count += int(mask.sum())
+    return [(float(l2), float(cos)) for l2, cos in sums / count]
 
 
 @torch.no_grad()
@@ -355,25 +390,36 @@ def test_featcal_lowers_feature_drift_and_round_trips(case: Case, tmp_path) -> N
     merged = task_arithmetic(base, experts)
     batches = {t: [case.batch(1000 * i + j, i) for j in range(2)] for i, t in enumerate(TASKS)}
 
-    before = layer_drift(family, merged, experts, batches)
+    before = layer_drift(case, merged, experts, batches)
     result = calibrate(merged, base, experts, batches, FeatCalConfig(), progress=False)
     calibrated = with_backbone(merged, family, result.backbone)
-    after = layer_drift(family, calibrated, experts, batches)
+    after = layer_drift(case, calibrated, experts, batches)
+    n_blocks = len(family.blocks(result.backbone))
+    # T5: the encoder output (after final_layer_norm) follows the blocks
+    encoder_output = len(after) - 1 if case.name == "t5" else None
+    last_encoder_block = len(family.backbone(merged).encoder.block) - 1 if case.name == "t5" else None
 
     # every block's output (all real tokens) moves towards the experts' ...
-    assert len(after) == len(before) == len(family.blocks(result.backbone))
-    for index, (b, a) in enumerate(zip(before, after)):
+    assert len(after) == len(before) == n_blocks + (case.name == "t5")
+    for index, ((b, b_cos), (a, a_cos)) in enumerate(zip(before, after)):
         assert a < b, f"{case.name} block {index}: drift {a:.4g} after calibration, {b:.4g} before"
     # ... and so does what the head reads
     assert head_drift(family, calibrated, experts, batches) < head_drift(family, merged, experts, batches)
 
-    # the driver's own per-layer drift agrees with this independent replay, except T5's last
+    # the driver's own per-layer drift agrees with this independent forward, except T5's last
     # encoder block: the driver compares the streams run_block returns, i.e. the decoder's input
-    # embeddings there, where `family.block_output` gives the encoder output
-    skip = len(family.backbone(merged).encoder.block) - 1 if case.name == "t5" else None
+    # embeddings there
+    assert [d.layer for d in result.drift] == list(range(n_blocks))
     for d in result.drift:
-        if d.layer != skip:
-            assert d.l2 == pytest.approx(after[d.layer], rel=1e-5)
+        if d.layer != last_encoder_block:
+            assert (d.l2, d.cosine) == pytest.approx(after[d.layer], rel=1e-5), d
+    # featcal.evaluate.layer_drift (the evaluate stage's) too; at T5's last encoder block it measures
+    # the encoder output
+    measured = evaluate_layer_drift(family, experts, calibrated, batches)
+    assert [d.layer for d in measured] == list(range(n_blocks))
+    for d in measured:
+        expected = after[encoder_output if d.layer == last_encoder_block else d.layer]
+        assert (d.l2, d.cosine) == pytest.approx(expected, rel=1e-5), d
 
     # the calibrated model round-trips through save_pretrained / from_pretrained (safetensors)
     calibrated.save_pretrained(tmp_path)

@@ -6,39 +6,20 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModel, BertConfig, BertForSequenceClassification
+from transformers import AutoModel
 
 import featcal.walk as walk_module
 from featcal import merge_models
 from featcal.calibrate import FeatCalConfig, calibrate
 from featcal.lazy import CheckpointReader, LazyBackbone, block_group, calibrate_lazy, lazy_merge, parse_size
-from test_calibrate import batches_for
-
-
-def tiny_bert(seed=0, layers=3, num_labels=2):
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=60, hidden_size=24, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=48, num_labels=num_labels, max_position_embeddings=32)
-    return BertForSequenceClassification(cfg).eval()
-
-
-def perturbed(model, seed, scale=0.1, num_labels=None):
-    """An 'expert': every backbone parameter moved (embeddings and pooler too), its own head."""
-    out = copy.deepcopy(model)
-    if num_labels is not None:
-        out.config.num_labels = num_labels
-        out.classifier = torch.nn.Linear(out.config.hidden_size, num_labels)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.bert.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g))
-    return out.eval()
+# assert_same_state, perturbed and tiny_bert are imported from here by test_anchors
+from conftest import assert_same_state, batches_for, perturbed, tiny_bert
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lazy")
-    base = tiny_bert()
+    base = tiny_bert(layers=3)
     experts = {t: perturbed(base, i + 1, num_labels=2 + i) for i, t in enumerate("abc")}
     base.save_pretrained(root / "base")
     dirs, sharded = {}, {}
@@ -48,13 +29,6 @@ def setup(tmp_path_factory):
         dirs[t], sharded[t] = root / t, root / f"{t}_sharded"
     merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
     return dict(root=root, base=base, experts=experts, dirs=dirs, sharded=sharded, merged=merged)
-
-
-def assert_same_state(a, b):
-    a, b = a.state_dict(), b.state_dict()
-    assert list(a) == list(b)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def test_sharded_checkpoint_has_several_files_and_is_read_by_name(setup):
@@ -198,7 +172,7 @@ def test_t5_encoder_decoder_lazy_equals_whole(tmp_path):
 def test_lazy_merge_warns_about_an_expert_that_is_no_fine_tune_of_the_base(setup, tmp_path):
     from featcal.modeling import ImplausibleExpertWarning
 
-    tiny_bert(seed=9).save_pretrained(tmp_path / "random")
+    tiny_bert(seed=9, layers=3).save_pretrained(tmp_path / "random")
     perturbed(setup["base"], 5, scale=0.001).save_pretrained(tmp_path / "fine_tune")   # a small task vector
     experts = {"fine_tune": tmp_path / "fine_tune", "random": tmp_path / "random"}
     with pytest.warns(ImplausibleExpertWarning, match=r"random': its task vector is \d\.\d\d times") as caught:

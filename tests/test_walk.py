@@ -14,14 +14,14 @@ from featcal.lazy import calibrate_lazy
 from featcal.store import StoreFormat, read_group, write_group
 from featcal.tune import TuneProblem
 from featcal.walk import ModuleWeights, walk_all
-from test_calibrate import batches_for, perturbed, tiny_bert
+from conftest import batches_for, perturbed, tiny_bert
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("walk")
     base = tiny_bert(layers=3)
-    experts = {t: perturbed(base, i + 2, scale=0.1) for i, t in enumerate("ab")}
+    experts = {t: perturbed(base, i + 2, scale=0.1, encoder_only=True) for i, t in enumerate("ab")}
     merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
     base.save_pretrained(root / "base")
     merged.save_pretrained(root / "merged")
