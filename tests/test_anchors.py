@@ -18,7 +18,7 @@ from featcal.merging import build_options, merge_state_dicts
 from featcal.merging.isotropic import iso_cts_factors, iso_cts_sizes
 from featcal.merging.spectral import polar
 from featcal.merging.tsv import tsv_factors
-from test_lazy import assert_same_state, perturbed, tiny_bert
+from conftest import assert_same_state, perturbed, tiny_bert
 
 torch.set_num_threads(1)
 

@@ -26,8 +26,7 @@ from featcal.merging import get_method, merge_state_dicts, split_options
 from featcal.merging.adamerging import entropy
 from featcal.merging.sigmerge import SigMergeOptions, anchor_merge, sigmerge
 from featcal.signatures import block_index_of, pooled_block_outputs
-from test_calibrate import batches_for
-from test_lazy import perturbed, tiny_bert
+from conftest import batches_for, perturbed, tiny_bert
 from tiny_project import WORDS, make_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
