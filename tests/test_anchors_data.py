@@ -26,6 +26,7 @@ from featcal.merging import get_method, merge_state_dicts, split_options
 from featcal.merging.adamerging import entropy
 from featcal.merging.sigmerge import SigMergeOptions, anchor_merge, sigmerge
 from featcal.signatures import block_index_of, pooled_block_outputs
+import test_families as tfm
 from conftest import batches_for, perturbed, tiny_bert
 from tiny_project import WORDS, make_vocab
 
@@ -187,6 +188,38 @@ def test_regmean_plus_plus_is_regmean_on_one_block_with_shared_embeddings():
             torch.testing.assert_close(plus[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
     assert context.record["kept_at_base"] == ["pooler.dense.weight", "pooler.dense.bias"]
     assert "embeddings.word_embeddings.weight" in context.record["averaged_pre_block"]
+
+
+@pytest.mark.parametrize("case", ["bert", "vit", "clip", "llama", "t5"])
+def test_identical_experts_give_the_expert_in_every_family(case):
+    """RegMean: every tensor is the expert's. RegMean++: the same, except the post-block tensors it
+    reports kept at θ₀. AdaMerging keeps tied tensors (T5's shared embeddings) tied."""
+    spec = tfm.CASES[case]
+    base = spec.build()
+    family = family_for(base)
+    expert = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in family.backbone(expert).parameters():
+            p.add_(0.005 * torch.randn(p.shape, generator=g))
+    experts = {"a": expert, "b": copy.deepcopy(expert)}
+    batches = {t: [spec.batch(s, i) for s in range(2)] for i, t in enumerate(experts)}
+    want, theta0 = family.backbone(expert).state_dict(), family.backbone(base).state_dict()
+    got = merge_models(base, experts, "regmean", None, MergeContext(batches=batches)).state_dict()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    context = MergeContext(batches=batches)
+    got = merge_models(base, experts, "regmean_plus_plus", None, context).state_dict()
+    assert context.record["kept_at_base"]
+    for name, value in want.items():
+        expected = theta0[name] if name in context.record["kept_at_base"] else value
+        torch.testing.assert_close(got[name], expected, rtol=1e-4, atol=1e-5, msg=name)
+    if case == "t5":
+        tied = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"]
+        context = MergeContext(batches=batches)
+        got = merge_models(base, experts, "adamerging", {"steps": 1, "batches_per_step": 1, "lr": 0.1}, context).state_dict()
+        assert all(torch.equal(got[tied[0]], got[name]) for name in tied[1:])
+        assert set(tied) - set(context.record["lambda"]) == set(tied[1:])   # one λ row for the tied tensor
 
 
 # --------------------------------------------------------------------------- AdaMerging

@@ -101,7 +101,26 @@ def task_logits(family: Family, model: nn.Module, prefix: str, params: StateDict
     dtypes = dict(model.state_dict(keep_vars=True))
     replaced = {prefix + n: v.to(dtypes[prefix + n].dtype) for n, v in params.items()}
     out = functional_call(model, replaced, args=(), kwargs=family.model_inputs(batch), strict=False)
-    return out.logits if hasattr(out, "logits") else first_output(out)
+    logits = getattr(out, "logits", None) if not isinstance(out, (tuple, list)) else first_output(out)
+    if logits is None:
+        raise ValueError(f"adamerging: {type(model).__name__} returns {type(out).__name__} without logits; the entropy "
+                         "objective needs each task's classification head (a CLIP tower needs its zero-shot head)")
+    return logits
+
+
+def tied_aliases(backbone: nn.Module, names: Mapping[str, Tensor]) -> dict[str, str]:
+    """Every tensor name of ``names`` that is tied to an earlier one (T5's shared embeddings) ->
+    that earlier name: merged once, written under both, so the tie holds."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, param in backbone.named_parameters(remove_duplicate=False):
+        if name not in names:
+            continue
+        if id(param) in first:
+            out[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return out
 
 
 @register("adamerging", AdaMergingOptions, needs=("activations",))
@@ -109,7 +128,8 @@ def adamerging(base: StateDict, experts: Sequence[StateDict], opts: AdaMergingOp
     """θ(λ*) with λ* after ``steps`` Adam steps of entropy minimisation (module docstring)."""
     family, tasks = context.family, list(context.experts)
     batches = check_batches("adamerging", context)
-    names = list(base)
+    aliases = tied_aliases(context.base, base)
+    names = [name for name in base if name not in aliases]   # one λ row per tensor, tied names share it
     taus = {name: torch.stack([e[name] - base[name] for e in experts]) for name in names}
     lam = torch.full((len(names), len(tasks)), float(opts.init), dtype=torch.float32, requires_grad=True)
     optimizer = torch.optim.Adam([lam], lr=opts.lr, betas=(0.9, 0.999), weight_decay=0.0)
@@ -130,6 +150,7 @@ def adamerging(base: StateDict, experts: Sequence[StateDict], opts: AdaMergingOp
         curve.append(float(loss.detach()))
     with torch.no_grad():
         out = merged_tensors(base, taus, lam, names, opts.clamp)
+        out.update({alias: out[name] for alias, name in aliases.items()})
         final = lam.clamp(0.0, 1.0) if opts.clamp else lam.detach()
     per_tensor = {name: [round(float(v), 6) for v in final[p]] for p, name in enumerate(names)}
     context.record.update({

@@ -18,7 +18,8 @@ The mean (not the sum) gives every task equal weight whatever its token count.
   blocks 0..k−1 on task i's batches (the merged prefix; inside block k expert i's own modules run).
   Pre-block tensors (those the stream entering block 0 depends on: embeddings, pre-norms) and
   every in-block tensor are averaged; post-block tensors (BERT/ViT pooler, final norms) stay θ₀, as
-  the reference code leaves CLIP's post-LayerNorm.
+  the reference code leaves CLIP's post-LayerNorm. For T5 the decoder blocks read the merged encoder's
+  output; the encoder's final norm, run between the two stages, is post-block here and stays θ₀.
 
 Activations come from the project's machinery: the family's streams, ``calibrate.run_capturing``
 (block forward with input capture), ``moments.LinearMoments`` (float64 sums) and the forward-order
@@ -195,7 +196,8 @@ def regmean(base: StateDict, experts: Sequence[StateDict], opts: RegMeanOptions,
 
 def pre_block_names(family: Family, backbone: nn.Module, batch: Mapping[str, Tensor]) -> set[str]:
     """Backbone tensors the stream entering block 0 depends on (embeddings, pre-norms): the direct
-    parameters of the modules outside the blocks that run while ``family.enter`` builds it."""
+    parameters of the modules outside the blocks that run while ``family.enter`` builds it, under
+    every name they have (a tied embedding is averaged under all of its names, never half kept)."""
     inside = tuple(family.block_prefix(backbone, i) for i in range(len(family.blocks(backbone))))
     modules = {n: m for n, m in backbone.named_modules() if not (n + ".").startswith(inside)}
     ran: set[str] = set()
@@ -205,7 +207,8 @@ def pre_block_names(family: Family, backbone: nn.Module, batch: Mapping[str, Ten
     finally:
         for handle in handles:
             handle.remove()
-    return {f"{n}.{p}" if n else p for n in ran for p, _ in modules[n].named_parameters(recurse=False)}
+    used = {id(p) for n in ran for p in modules[n].parameters(recurse=False)}
+    return {name for name, p in backbone.named_parameters(remove_duplicate=False) if id(p) in used}
 
 
 @torch.no_grad()
