@@ -14,6 +14,7 @@ import argparse
 import gc
 
 from common import enabled_tasks, get, load_params, max_length, setup_logging
+from torch import nn
 from tqdm.auto import tqdm
 
 from featcal import compare as cmp
@@ -41,7 +42,7 @@ def methods(bench, merged, batches, settings, featcal_config):
     return rows
 
 
-def merge_anchor(bench, anchor, options):
+def merge_anchor(bench: cmp.Workbench, anchor: str, options: dict) -> tuple[nn.Module, dict]:
     """The anchor merge and its row: options, data options, the merge's cost (a data method's
     train sample and context included) and the method's summary."""
     method_options, data = split_options(anchor, options)
