@@ -23,7 +23,7 @@ from featcal import compare as cmp
 from featcal.families import family_for
 from featcal.lazy import lazy_merge, streams
 from featcal.merging import get_method, merge_state_dicts, split_options
-from featcal.merging.adamerging import entropy
+from featcal.merging.adamerging import entropy, merged_tensors, task_logits
 from featcal.merging.sigmerge import SigMergeOptions, anchor_merge, sigmerge
 from featcal.signatures import block_index_of, pooled_block_outputs
 import test_families as tfm
@@ -283,6 +283,25 @@ def test_adamerging_clamp_holds_lambda_at_the_bounds_under_a_large_step():
     theta0 = base.bert.state_dict()[name]
     expected = theta0 + sum(lam[name][i] * (e.bert.state_dict()[name] - theta0) for i, e in enumerate(experts.values()))
     torch.testing.assert_close(merged.state_dict()[name], expected, rtol=0, atol=1e-5)
+
+
+@LARGE
+def test_adamerging_gradient_in_lambda_is_the_parameter_gradient_dotted_with_the_task_vector():
+    """∂L/∂λ_{p,t} = ⟨∂L/∂θ_p, τ_{t,p}⟩ inside (0, 1): the parametrisation, checked by a second
+    autograd pass taken through θ directly."""
+    base, experts = models(layers=1, tasks="ab", scale=0.5)
+    family, batch = family_for(base), batches_for("a", n_batches=1)["a"][0]
+    base_sd = {k: v for k, v in base.bert.state_dict().items() if v.is_floating_point()}
+    names = list(base_sd)
+    taus = {n: torch.stack([e.bert.state_dict()[n] - base_sd[n] for e in experts.values()]) for n in names}
+    lam = torch.full((len(names), 2), 0.4, requires_grad=True)
+    loss = entropy(task_logits(family, experts["a"], "bert.", merged_tensors(base_sd, taus, lam, names, True), batch))
+    (grad_lam,) = torch.autograd.grad(loss, [lam])
+    theta = {n: v.detach().requires_grad_(True) for n, v in merged_tensors(base_sd, taus, lam, names, True).items()}
+    grads = torch.autograd.grad(entropy(task_logits(family, experts["a"], "bert.", theta, batch)), list(theta.values()))
+    manual = torch.tensor([[float((g * taus[n][t]).sum()) for t in range(2)] for n, g in zip(names, grads)])
+    torch.testing.assert_close(grad_lam, manual, rtol=1e-4, atol=1e-7)
+    assert grad_lam.abs().sum() > 0
 
 
 def write_tasks(root: Path, tasks, splits=("train", "dev")) -> None:
