@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from . import solve
 from .families import Family, Stream, family_for, module_kind
-from .moments import LinearMoments, Moments, NormMoments
+from .moments import PRODUCT_DTYPES, LinearMoments, Moments, NormMoments
 from .profiling import phase
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,21 @@ def check_hyper(hyper: LayerHyper, where: str) -> None:
         raise ValueError(f"{where}.ridge must be a finite number >= 0, got {hyper.ridge}")
 
 
+def check_device_name(name: str) -> None:
+    if name not in ("auto", "cpu", "cuda") and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise ValueError(f"featcal.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device a `device` setting means on this machine; asking for CUDA without one is an error."""
+    check_device_name(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"featcal.device is {name!r} but torch sees no CUDA device; use 'auto' or 'cpu'")
+    return torch.device(name)
+
+
 @dataclass
 class FeatCalConfig:
     """FeatCal's knobs; defaults are the spec's (../shared/spec/featcal.md)."""
@@ -67,9 +82,18 @@ class FeatCalConfig:
     calibrate_norms: bool = True
     calibrate_pooler: bool = False
     layer_overrides: dict[int, dict[str, float]] = field(default_factory=dict)
+    # how, not what: each batch's moment products in float32 (sums stay float64; the calibrated
+    # weights move by < 1e-5 relative on the demo, README "Calibration cost") or all in float64
+    product_dtype: str = "float32"
+    # where the block forwards, moment products and solves run: "auto" (CUDA when present), "cpu",
+    # "cuda" or "cuda:N"; sums and solves stay float64 there (README "Calibration cost")
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         check_hyper(LayerHyper(self.alpha, self.rho, self.ridge), "featcal")
+        check_device_name(self.device)
+        if self.product_dtype not in PRODUCT_DTYPES:
+            raise ValueError(f"featcal.product_dtype must be one of {sorted(PRODUCT_DTYPES)}, got {self.product_dtype!r}")
         if not 0.0 <= self.pooled_token_weight <= 1.0:
             raise ValueError(f"featcal.pooled_token_weight must be in [0, 1], got {self.pooled_token_weight}")
         overrides = {}
@@ -92,6 +116,10 @@ class FeatCalConfig:
             raise ValueError(f"featcal params: unknown keys {sorted(bad)}; known keys {sorted(known)}")
         return cls(**dict(values))
 
+    @property
+    def products(self) -> torch.dtype:
+        return PRODUCT_DTYPES[self.product_dtype]
+
     def for_layer(self, index: int) -> LayerHyper:
         values = {"alpha": self.alpha, "rho": self.rho, "ridge": self.ridge}
         values.update(self.layer_overrides.get(index, {}))
@@ -103,9 +131,20 @@ class FeatCalConfig:
 
 @torch.no_grad()
 def run_capturing(
-    family: Family, backbone: nn.Module, index: int, block: nn.Module, names: Iterable[str], stream: Stream
+    family: Family,
+    backbone: nn.Module,
+    index: int,
+    block: nn.Module,
+    names: Iterable[str],
+    stream: Stream,
+    projected: Iterable[str] = (),
+    product_dtype: torch.dtype = torch.float32,
 ) -> tuple[dict[str, Tensor], Stream]:
-    """Run one block on a stream, recording the input of each named module (forward pre-hooks)."""
+    """Run one block on a stream, recording the input of each named module (forward pre-hooks).
+
+    For each module in `projected` its W x is recorded too, under `projected_key(name)`: in float32
+    the block's own output less the bias (no extra product), in float64 recomputed exactly.
+    """
     captured: dict[str, Tensor] = {}
     modules = dict(block.named_modules())
     handles = []
@@ -114,6 +153,14 @@ def run_capturing(
             captured.setdefault(_name, args[0])
 
         handles.append(modules[name].register_forward_pre_hook(hook))
+    for name in projected:
+        def out_hook(module, args, output, _name=projected_key(name)):
+            if product_dtype == torch.float64:
+                captured.setdefault(_name, F.linear(args[0].double(), module.weight.double()))
+            else:
+                captured.setdefault(_name, output if module.bias is None else output - module.bias)
+
+        handles.append(modules[name].register_forward_hook(out_hook))
     try:
         out = family.run_block(backbone, index, stream, block=block)
     finally:
@@ -122,10 +169,19 @@ def run_capturing(
     return captured, out
 
 
+def projected_key(name: str) -> str:
+    return f"{name}:W x"
+
+
+def projects_cross(module: nn.Module) -> bool:
+    """A narrowing linear (out < in) keeps its cross sum projected through the expert weight."""
+    return module_kind(module) == "linear" and module.out_features < module.in_features
+
+
 def row_weights(stream: Stream, rows: Tensor, pooled_token_weight: float) -> Tensor:
     """Weight 1 for the token the head reads, `pooled_token_weight` for the others."""
-    w = torch.full(rows.shape, pooled_token_weight, dtype=torch.float64)
-    w[torch.arange(rows.shape[0]), stream.pooled_index] = 1.0
+    w = torch.full(rows.shape, pooled_token_weight, dtype=torch.float64, device=rows.device)
+    w[torch.arange(rows.shape[0], device=rows.device), stream.pooled_index] = 1.0
     return w
 
 
@@ -147,26 +203,37 @@ def accumulate_block_moments(
     moments: dict[str, Moments],
     weighted: bool,
     pooled_token_weight: float,
+    product_dtype: torch.dtype = torch.float64,
 ) -> None:
-    """Add one batch's rows to each module's moments (one task)."""
+    """Add one batch's rows to each module's moments (one task).
+
+    `expert_inputs` holds, for each module that `projects_cross`, the expert's W x rows too.
+    """
     shared: dict[tuple, LinearMoments] = {}
     for name, module in modules.items():
         rows = family.row_mask(name, student_stream)
         use_weights = weighted and student_stream.pooled_index is not None and not family.is_key_value(name)
         w = row_weights(student_stream, rows, pooled_token_weight)[rows] if use_weights else None
-        xs = student_inputs[name][rows]
+        xs = real_rows(student_inputs[name], rows)
         if module_kind(module) == "linear":
             m = moments.setdefault(name, LinearMoments())
+            projected = expert_inputs.get(projected_key(name)) if projects_cross(module) else None
             key = (student_inputs[name].data_ptr(), expert_inputs[name].data_ptr(), xs.shape, use_weights)
-            if key in shared:  # q/k/v read the same input: reuse the batch sums
+            if projected is None and key in shared:  # q/k/v read the same input: reuse the batch sums
                 m.merge(shared[key])
                 continue
-            batch = LinearMoments()
-            batch.add(xs, expert_inputs[name][rows], w)
-            shared[key] = batch
+            batch = LinearMoments.of_rows(xs, real_rows(expert_inputs[name], rows), w,
+                                          None if projected is None else real_rows(projected, rows), product_dtype)
+            if projected is None:
+                shared[key] = batch
             m.merge(batch)
         else:
             moments.setdefault(name, NormMoments()).add(normalised(module, xs), w)
+
+
+def real_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """The rows of real tokens ([n, d]); a view, not a copy, when every token is real."""
+    return x.reshape(-1, x.shape[-1]) if bool(rows.all()) else x[rows]
 
 
 def accumulate_pooled_moments(
@@ -215,9 +282,9 @@ def solve_modules(
             grams = [m.gram for m in stats]
             omegas = solve.task_weights(grams)
             w_anc = solve.anchor(module.weight, base[name].weight, hyper.rho)
-            weight, rep = solve.solve_linear_weight(
-                grams, [m.cross_mean for m in stats], [e.weight for e in mods], w_anc,
-                hyper.alpha, hyper.ridge, omegas, name=prefix + name,
+            weight, rep = solve.solve_linear_targets(
+                grams, [m.target_product(e.weight, hyper.alpha) for m, e in zip(stats, mods)], w_anc,
+                hyper.ridge, omegas, name=prefix + name,
             )
             updates[f"{name}.weight"] = weight
             reports.append(ModuleReport(prefix + name, kind, rep.condition, rep.method))
@@ -284,9 +351,9 @@ def block_drift(
         for s, e in zip(streams, expert[task], strict=True):
             hs, mask = family.block_output(student_backbone, index, s)
             he, _ = family.block_output(expert_backbones[task], index, e)
-            hs, he = hs[mask].double(), he[mask].double()
-            l2 = l2 + (hs - he).norm(dim=-1).sum()
-            cos = cos + F.cosine_similarity(hs, he, dim=-1).sum()
+            hs, he = real_rows(hs, mask), real_rows(he, mask)   # per-token terms in the model's dtype,
+            l2 = l2 + (hs - he).norm(dim=-1).sum(dtype=torch.float64)      # their sums in float64
+            cos = cos + F.cosine_similarity(hs, he, dim=-1).sum(dtype=torch.float64)
             count = count + hs.shape[0]
     if reduce_sums is not None:
         l2, cos, count = reduce_sums(torch.stack([l2, cos, count]))
@@ -326,6 +393,7 @@ def calibrate_block(
     modules = family.calibrated_modules(block)
     expert_blocks = {t: family.blocks(b)[index] for t, b in expert_backbones.items()}
     moments: dict[str, dict[str, Moments]] = {name: {} for name in modules}
+    projected = [name for name, module in modules.items() if projects_cross(module)]
     expert_next: dict[str, list[Stream]] = {}
     for task, streams in student_streams.items():
         if task not in expert_blocks:
@@ -337,9 +405,11 @@ def calibrate_block(
         for s, e in zip(streams, expert_streams[task], strict=True):
             with phase("capture forwards"):
                 xs, _ = run_capturing(family, student_backbone, index, block, modules, s)
-                xe, e_out = run_capturing(family, expert_backbones[task], index, expert_blocks[task], modules, e)
+                xe, e_out = run_capturing(family, expert_backbones[task], index, expert_blocks[task], modules, e,
+                                          projected, config.products)
             with phase("moments"):
-                accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight)
+                accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight,
+                                         config.products)
             expert_next[task].append(e_out)
         for name in modules:
             if name in per_task:

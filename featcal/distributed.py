@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .calibrate import projects_cross
 from .families import module_kind
 from .moments import LinearMoments, Moments, NormMoments, moments_to_arrays
 
@@ -140,7 +141,9 @@ def zero_moments(module: nn.Module) -> Moments:
     kind = module_kind(module)
     zero = lambda *shape: torch.zeros(shape, dtype=torch.float64)  # noqa: E731
     if kind == "linear":
-        d = module.in_features
+        d, m = module.in_features, module.out_features
+        if projects_cross(module):
+            return LinearMoments(zero(), zero(d, d), None, zero(d), zero(d), zero(m, d))
         return LinearMoments(zero(), zero(d, d), zero(d, d), zero(d), zero(d))
     if kind in ("layernorm", "rmsnorm"):
         d = module.weight.shape[-1]

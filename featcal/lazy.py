@@ -235,6 +235,15 @@ class LazyBackbone:
         if not self.meta:
             raise ValueError("the reference backbone has no parameters")
         self.prefix = self._find_prefix() if prefix is None else prefix
+        self.device = torch.device("cpu")
+
+    def move_to(self, device: torch.device) -> None:
+        """Parameters read from now on, and the buffers (position ids, rotary tables), go to `device`."""
+        self.device = device
+        for module in self.module.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
 
     def _find_prefix(self) -> str:
         errors = []
@@ -275,7 +284,7 @@ class LazyBackbone:
                     f"{self.reader.path}: tensor {key!r} has shape {tuple(value.shape)}, the model expects "
                     f"{tuple(ref.shape)}"
                 )
-            param = nn.Parameter(value.to(self.dtype or ref.dtype), requires_grad=False)
+            param = nn.Parameter(value.to(device=self.device, dtype=self.dtype or ref.dtype), requires_grad=False)
             for alias in groups[pid]:
                 _set_parameter(self.module, alias, param)
                 loaded.append(alias)
@@ -345,6 +354,18 @@ class LazyWeights:
             base = None if self.base is None else stack.enter_context(self.base.loaded(base_prefixes))
             experts = {t: stack.enter_context(e.loaded(expert_prefixes)) for t, e in self.experts.items()}
             yield base, experts
+
+    @contextlib.contextmanager
+    def on(self, device: torch.device):
+        """Read every tensor onto `device` inside the block (the host again after it)."""
+        lazy = ([] if self.base is None else [self.base]) + list(self.experts.values())
+        for backbone in lazy:
+            backbone.move_to(device)
+        try:
+            yield
+        finally:
+            for backbone in lazy:
+                backbone.move_to(torch.device("cpu"))
 
     def block(self, index: int):
         leaves = leaves_stage(self.family, self.like, index)

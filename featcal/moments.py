@@ -12,35 +12,91 @@ import torch
 from torch import Tensor
 
 
-def _rows(x: Tensor) -> Tensor:
-    return x.reshape(-1, x.shape[-1]).to(torch.float64)
+PRODUCT_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def _row_weights(weights: Tensor | None, n: int) -> Tensor:
+def _rows(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    return x.reshape(-1, x.shape[-1]).to(dtype)
+
+
+def _row_weights(weights: Tensor | None, n: int, device: torch.device | None = None) -> Tensor:
     if weights is None:
-        return torch.ones(n, dtype=torch.float64)
-    return weights.reshape(-1).to(torch.float64)
+        return torch.ones(n, dtype=torch.float64, device=device)
+    return weights.reshape(-1).to(device=device, dtype=torch.float64)
+
+
+def gram_of(x: Tensor, block: int = 512) -> Tensor:
+    """xᵀx for rows x ([n, d]): for wide d, only the blocks on and above the diagonal are multiplied
+    (the product is symmetric), about 5/8 of the work at d = 4·block."""
+    d = x.shape[1]
+    if d < 2 * block:
+        return x.T @ x
+    edges = [(i, min(i + block, d)) for i in range(0, d, block)]
+    out = torch.empty(d, d, dtype=x.dtype)
+    for i, (a, b) in enumerate(edges):
+        for c, e in edges[i:]:
+            part = x[:, a:b].T @ x[:, c:e]
+            out[a:b, c:e] = part
+            if c != a:
+                out[c:e, a:b] = part.T
+    return out
 
 
 @dataclass
 class LinearMoments:
-    """Σw, Σw x_s x_sᵀ, Σw x_e x_sᵀ, Σw x_s, Σw x_e for one linear module and one task."""
+    """Σw, Σw x_s x_sᵀ, Σw x_e x_sᵀ, Σw x_s, Σw x_e for one linear module and one task.
+
+    For a module that narrows (out < in, e.g. an FFN's down projection) the cross sum may be kept
+    projected through the expert's weight instead: Σw (W_e x_e) x_sᵀ, (out × in) rather than
+    (in × in). The solve needs only W_e K, so this is exact, and its products cost out/in as much.
+    """
 
     count: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     student_gram: Tensor | None = None
     cross: Tensor | None = None
     student_sum: Tensor | None = None
     expert_sum: Tensor | None = None
+    projected_cross: Tensor | None = None
 
-    def add(self, student: Tensor, expert: Tensor, weights: Tensor | None = None) -> None:
-        """Add rows x_s, x_e (same shape (..., d)); `weights` optionally weights each row."""
-        xs, xe = _rows(student), _rows(expert)
+    def add(
+        self,
+        student: Tensor,
+        expert: Tensor,
+        weights: Tensor | None = None,
+        expert_projected: Tensor | None = None,
+        product_dtype: torch.dtype = torch.float64,
+    ) -> None:
+        """Add rows x_s, x_e (same shape (..., d)); `weights` optionally weights each row.
+
+        With `expert_projected` (rows W_e x_e), the projected cross sum is kept instead of the cross.
+        """
+        self.merge(LinearMoments.of_rows(student, expert, weights, expert_projected, product_dtype))
+
+    @staticmethod
+    def of_rows(
+        student: Tensor,
+        expert: Tensor,
+        weights: Tensor | None = None,
+        expert_projected: Tensor | None = None,
+        product_dtype: torch.dtype = torch.float64,
+    ) -> "LinearMoments":
+        """One batch's sums, formed in `product_dtype` (merge them into float64 running sums):
+        float32 products of one batch lose ~1e-7 relative; the running sums lose nothing more."""
+        xs, xe = _rows(student, product_dtype), _rows(expert, product_dtype)
         if xs.shape != xe.shape:
             raise ValueError(f"student rows {tuple(xs.shape)} and expert rows {tuple(xe.shape)} differ")
-        w = _row_weights(weights, xs.shape[0])
-        xs_w = xs * w[:, None]
-        upd = LinearMoments(w.sum(), xs_w.T @ xs, (xe * w[:, None]).T @ xs, xs_w.sum(0), (xe * w[:, None]).sum(0))
-        self.merge(upd)
+        count = torch.tensor(float(xs.shape[0]), dtype=torch.float64)
+        if weights is not None:
+            w = _row_weights(weights, xs.shape[0], xs.device)
+            count, w = w.sum().cpu(), w.to(product_dtype)[:, None]   # counts stay on the host
+        weigh = (lambda x: x) if weights is None else (lambda x: x * w)
+        xs_w = weigh(xs)
+        if expert_projected is None:
+            cross, projected = weigh(xe).T @ xs, None
+        else:
+            cross, projected = None, weigh(_rows(expert_projected, product_dtype)).T @ xs
+        gram = gram_of(xs) if weights is None else xs_w.T @ xs
+        return LinearMoments(count, gram, cross, xs_w.sum(0), weigh(xe).sum(0), projected)
 
     def merge(self, other: "LinearMoments") -> "LinearMoments":
         _merge_into(self, other)
@@ -53,8 +109,16 @@ class LinearMoments:
 
     @property
     def cross_mean(self) -> Tensor:
-        """K = E[x_e x_sᵀ]."""
+        """K = E[x_e x_sᵀ] (not kept when the cross was projected)."""
+        if self.cross is None:
+            raise ValueError("these moments keep the projected cross W_e K only; use target_product")
         return self.cross / self.count
+
+    def target_product(self, expert_weight: Tensor, alpha: float) -> Tensor:
+        """W_e C = α W_e K + (1−α) W_e G: what the solve needs of the cross (out × in)."""
+        w = expert_weight.to(device=self.student_gram.device, dtype=torch.float64)
+        wk = self.projected_cross / self.count if self.projected_cross is not None else w @ self.cross_mean
+        return alpha * wk + (1.0 - alpha) * (w @ self.gram)
 
     @property
     def student_mean(self) -> Tensor:
@@ -75,8 +139,8 @@ class NormMoments:
 
     def add(self, normalised: Tensor, weights: Tensor | None = None) -> None:
         z = _rows(normalised)
-        w = _row_weights(weights, z.shape[0])[:, None]
-        self.merge(NormMoments(w.sum(), (z * w).sum(0), (z * z * w).sum(0)))
+        w = _row_weights(weights, z.shape[0], z.device)[:, None]
+        self.merge(NormMoments(w.sum().cpu(), (z * w).sum(0), (z * z * w).sum(0)))
 
     def merge(self, other: "NormMoments") -> "NormMoments":
         _merge_into(self, other)
@@ -102,9 +166,9 @@ def _merge_into(target, other) -> None:
         if theirs is None:
             continue
         if mine is None:
-            setattr(target, f.name, theirs.clone())
+            setattr(target, f.name, theirs.to(torch.float64, copy=True))
         else:
-            mine.add_(theirs)
+            mine.add_(theirs)   # float32 batch products are added into the float64 sums
 
 
 def moments_to_arrays(m: Moments) -> dict[str, Tensor]:

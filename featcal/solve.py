@@ -32,14 +32,14 @@ class SolveReport:
         return not (self.condition < ILL_CONDITIONED)
 
 
-def condition_estimate(a: Tensor, chol: Tensor, iterations: int = 30) -> float:
+def condition_estimate(a: Tensor, chol: Tensor, iterations: int = 10) -> float:
     """κ(A) = λ_max / λ_min by power iteration on A and on A⁻¹ (through the Cholesky factor).
 
     O(iterations · d²) instead of an O(d³) eigendecomposition; it converges from below, which is
     enough to flag systems that are ill-conditioned by orders of magnitude.
     """
     g = torch.Generator().manual_seed(0)
-    v = torch.randn(a.shape[0], 1, dtype=torch.float64, generator=g)
+    v = torch.randn(a.shape[0], 1, dtype=torch.float64, generator=g).to(a.device)
     w = v.clone()
     top = low_inv = 0.0
     for _ in range(iterations):
@@ -103,14 +103,27 @@ def solve_linear_weight(
 
     Minimises Σ_i ω_i E‖W x_s − W_i x_t‖² + λ‖W − W_anc‖²_F. W has shape (m, d), G_i, K_i (d, d).
     """
+    targets = [w_i.to(torch.float64) @ target_cross(g, k, alpha) for g, k, w_i in zip(grams, crosses, expert_weights)]
+    return solve_linear_targets(grams, targets, anchor, ridge, omegas, name)
+
+
+def solve_linear_targets(
+    grams: Sequence[Tensor],
+    targets: Sequence[Tensor],
+    anchor: Tensor,
+    ridge: float,
+    omegas: Tensor | None = None,
+    name: str = "",
+) -> tuple[Tensor, SolveReport]:
+    """`solve_linear_weight` given each task's W_i C_i (m, d) instead of its cross moment."""
     if omegas is None:
         omegas = task_weights(grams)
     d = anchor.shape[1]
-    lhs = ridge * torch.eye(d, dtype=torch.float64)
+    lhs = ridge * torch.eye(d, dtype=torch.float64, device=anchor.device)
     rhs = ridge * anchor.to(torch.float64)
-    for w, g, k, w_i in zip(omegas, grams, crosses, expert_weights):
+    for w, g, t in zip(omegas, grams, targets):
         lhs = lhs + w * g
-        rhs = rhs + w * (w_i.to(torch.float64) @ target_cross(g, k, alpha))
+        rhs = rhs + w * t
     solution_t, report = spd_solve(lhs, rhs.T, name)
     return solution_t.T.contiguous(), report
 

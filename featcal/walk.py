@@ -38,8 +38,10 @@ from .calibrate import (
     calibrate_block,
     calibrate_pooler,
     enter_streams,
+    resolve_device,
 )
 from .families import Family, Stream
+from .families.base import to_device
 from .profiling import phase
 
 Streams = dict[str, list[Stream]]
@@ -61,6 +63,9 @@ class BlockWeights(Protocol):
     def enter_experts(self, family: Family, batches: Batches) -> Streams:
         """Each expert's own stream entering block 0 on its task's batches."""
 
+    def on(self, device: torch.device) -> ContextManager[None]:
+        """Inside the block, the weights a step gets are on `device`."""
+
 
 @dataclass
 class ModuleWeights:
@@ -77,6 +82,27 @@ class ModuleWeights:
 
     def enter_experts(self, family: Family, batches: Batches) -> Streams:
         return {t: [family.enter(self.experts[t], b) for b in bs] for t, bs in batches.items()}
+
+    @contextlib.contextmanager
+    def on(self, device: torch.device) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for backbone in [self.base, *self.experts.values()]:
+                stack.enter_context(moved(backbone, device))
+            yield
+
+
+@contextlib.contextmanager
+def moved(module: nn.Module, device: torch.device) -> Iterator[nn.Module]:
+    """`module` on `device` inside the block, back where it was after it (a no-op on its own device)."""
+    home = next(module.parameters()).device
+    if home == device:
+        yield module
+        return
+    module.to(device)
+    try:
+        yield module
+    finally:
+        module.to(home)
 
 
 # --- where the experts' states come from ------------------------------------------------------------
@@ -120,7 +146,7 @@ def split_like(hidden: Mapping[str, Tensor], like: Streams) -> Streams:
                     f"task {task!r}: cached states {tuple(states.shape)} do not match the calibration batches "
                     f"(batch at example {start} has shape {tuple(stream.hidden.shape)})"
                 )
-            out[task].append(stream.with_hidden(part.to(stream.hidden.dtype)))
+            out[task].append(stream.with_hidden(part.to(device=stream.hidden.device, dtype=stream.hidden.dtype)))
             start += n
         if start != states.shape[0]:
             raise ValueError(f"task {task!r}: {states.shape[0]} cached examples, the batches hold {start}")
@@ -129,7 +155,7 @@ def split_like(hidden: Mapping[str, Tensor], like: Streams) -> Streams:
 
 def stack_hidden(streams: Mapping[str, Sequence[Stream]]) -> dict[str, Tensor]:
     """Per task, the batches' hidden states concatenated along examples ([N, T, d])."""
-    return {t: torch.cat([s.hidden for s in ss]) for t, ss in streams.items() if ss}
+    return {t: torch.cat([s.hidden for s in ss]).cpu() for t, ss in streams.items() if ss}
 
 
 class CachedExpertStates:
@@ -216,12 +242,16 @@ def walk_all(
     **kwargs,
 ) -> WalkResult:
     """The whole model: enter the student (and, unless `expert_states` are given, the experts)
-    on the calibration batches, then walk blocks 0..L."""
-    with phase("enter forwards"):
-        student_in = enter_streams(family, student, batches)
-        if expert_states is None:
-            expert_states = CarriedExpertStates(weights.enter_experts(family, batches))
-    return walk(family, student, weights, student_in, expert_states, config, **kwargs)
+    on the calibration batches, then walk blocks 0..L, on `config.device`. The student's weights
+    end where they were; the returned streams stay on the device."""
+    device = resolve_device(config.device)
+    with weights.on(device), moved(student, device):
+        batches = to_device(batches, device)
+        with phase("enter forwards"):
+            student_in = enter_streams(family, student, batches)
+            if expert_states is None:
+                expert_states = CarriedExpertStates(weights.enter_experts(family, batches))
+        return walk(family, student, weights, student_in, expert_states, config, **kwargs)
 
 
 def require_uniform(family: Family) -> None:

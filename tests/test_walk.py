@@ -96,11 +96,13 @@ def hooked_inputs(model, module_name, batches):
     return torch.cat([x[m] for x, m in zip(rows, masks)]).double()
 
 
-def test_block_statistics_and_solution_equal_an_independent_weighted_least_squares(saved):
+@pytest.mark.parametrize("name", ["attention.output.dense", "output.dense"])
+def test_block_statistics_and_solution_equal_an_independent_weighted_least_squares(saved, name):
+    """Block 0 (not the last: every token weighs 1). `output.dense` narrows (out < in), so the walk
+    keeps its cross projected through the expert weight, W_e K, instead of K."""
     base, experts, merged, batches = saved["base"], saved["experts"], saved["merged"], saved["batches"]
     alpha, rho, ridge = 0.3, 1.8, 0.05
-    config = FeatCalConfig(alpha=alpha, rho=rho, ridge=ridge)
-    name = "attention.output.dense"     # block 0 (not the last: every token weighs 1)
+    config = FeatCalConfig(alpha=alpha, rho=rho, ridge=ridge, product_dtype="float64")
     seen = {}
 
     def keep(k, result):
@@ -117,12 +119,17 @@ def test_block_statistics_and_solution_equal_an_independent_weighted_least_squar
         xs = hooked_inputs(merged, full, batches[task])
         xe = hooked_inputs(expert.bert, full, batches[task])
         n = xs.shape[0]
+        w_i = dict(expert.bert.named_modules())[full].weight.double()
         gram, cross = xs.T @ xs / n, xe.T @ xs / n
         m = seen["moments"][task]
         assert torch.allclose(m.gram, gram, rtol=1e-10, atol=1e-12), task
-        assert torch.allclose(m.cross_mean, cross, rtol=1e-10, atol=1e-12), task
+        if w_i.shape[0] < w_i.shape[1]:
+            assert m.cross is None
+            assert torch.allclose(m.projected_cross / m.count, w_i @ cross, rtol=1e-10, atol=1e-12), task
+        else:
+            assert m.projected_cross is None
+            assert torch.allclose(m.cross_mean, cross, rtol=1e-10, atol=1e-12), task
         omegas[task] = 1.0 / torch.linalg.matrix_norm(gram)
-        w_i = dict(expert.bert.named_modules())[full].weight.double()
         xt = alpha * xe + (1 - alpha) * xs
         scale = (omegas[task] / n).sqrt()
         rows.append(scale * xs)
@@ -136,3 +143,37 @@ def test_block_statistics_and_solution_equal_an_independent_weighted_least_squar
     solution = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
     assert torch.allclose(seen["weight"], solution, rtol=1e-8, atol=1e-10)
 
+
+def test_float32_products_move_the_weights_by_less_than_1e5(saved):
+    """The default forms each batch's products in float32 and sums them in float64."""
+    args = saved["merged"], saved["base"], saved["experts"], saved["batches"]
+    exact = calibrate(*args, FeatCalConfig(product_dtype="float64"), progress=False).backbone.state_dict()
+    fast = calibrate(*args, FeatCalConfig(), progress=False).backbone.state_dict()
+    worst = max(float((fast[n] - exact[n]).abs().max() / exact[n].abs().max()) for n in exact
+                if exact[n].is_floating_point())
+    assert 0 < worst <= 1e-5, worst
+
+
+def test_device_setting_is_checked_and_cpu_is_the_same_walk(saved):
+    args = saved["merged"], saved["base"], saved["experts"], saved["batches"]
+    on_cpu = calibrate(*args, FeatCalConfig(device="cpu"), progress=False).backbone.state_dict()
+    default = calibrate(*args, FeatCalConfig(), progress=False).backbone.state_dict()
+    if not torch.cuda.is_available():   # "auto" is the CPU here: the same walk, bit for bit
+        assert all(torch.equal(on_cpu[n], default[n]) for n in on_cpu)
+        with pytest.raises(ValueError, match="no CUDA device"):
+            calibrate(*args, FeatCalConfig(device="cuda"), progress=False)
+    with pytest.raises(ValueError, match="featcal.device"):
+        FeatCalConfig(device="gpu")
+    assert next(saved["base"].parameters()).device.type == "cpu"   # the caller's models stay put
+
+
+def test_a_stream_moves_every_tensor_it_carries():
+    from featcal.families.base import Stream
+    stream = Stream(torch.zeros(2, 3, 4), torch.ones(2, 3, dtype=torch.bool), (torch.zeros(1), None),
+                    {"position_embeddings": (torch.zeros(2), torch.ones(2)), "flag": True},
+                    torch.zeros(2, dtype=torch.long), {"encoder_mask": torch.ones(2, 3)})
+    moved = stream.to(torch.device("meta"))
+    tensors = [moved.hidden, moved.mask, moved.args[0], *moved.kwargs["position_embeddings"], moved.pooled_index,
+               moved.extras["encoder_mask"]]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert moved.args[1] is None and moved.kwargs["flag"] is True
