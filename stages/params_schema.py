@@ -20,6 +20,8 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
+from featcal.calibrate import check_device_name
+from featcal.moments import PRODUCT_DTYPES
 from featcal.store import COMPRESSORS, STORAGE_DTYPES
 
 CHAIN_FILE = "stages/chain.yaml"
@@ -106,6 +108,15 @@ def one_of(*choices: str) -> Parser:
             raise ParamsError(f"{where} = {value!r}: expected one of {', '.join(choices)}{_closest(value, choices)}")
         return value
     return parse
+
+
+def device_name(value, where: str) -> str:
+    """auto | cpu | cuda | cuda:N (whether CUDA is present is checked where calibration runs)."""
+    try:
+        check_device_name(text(value, where))
+    except ValueError as exc:
+        raise ParamsError(f"{where} = {value!r}: expected auto, cpu, cuda or cuda:N") from exc
+    return value
 
 
 def list_of(item: Parser, min_len: int = 0) -> Parser:
@@ -225,6 +236,8 @@ class FeatCal:
     calibrate_bias: bool = knob(boolean, True)
     calibrate_norms: bool = knob(boolean, True)
     calibrate_pooler: bool = knob(boolean, False)
+    product_dtype: str = knob(one_of(*PRODUCT_DTYPES), "float32")
+    device: str = knob(device_name, "auto")
     layer_overrides: dict = knob(lambda v, w: mapping_of(subset_of(FeatCal, tuple(
         f.name for f in fields(FeatCal) if f.name not in HYPER_KEYS)))(v, w), factory=dict)
     use_tuned: bool = knob(boolean, False)
