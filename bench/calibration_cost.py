@@ -1,13 +1,18 @@
 """Benchmark (not a test): what FeatCal costs on the demo, side by side in one process.
 
 FeatCal calibration time vs the bare forward passes it needs (each expert's and the merged
-model's forward over the calibration set), and FeatCal vs Surgery vs ProbSurgery in wall time and
-memory. Needs the demo's experts (`make repro` first). Run: make bench
+model's forward over the calibration set), where its time goes (phases), how far the default
+float32 moment products move the weights from the all-float64 path, and FeatCal vs Surgery vs
+ProbSurgery in wall time and memory. Figures are merged into results/bench.json.
+Needs the demo's experts (`make repro` first). Run: make bench
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import shlex
 import sys
 from pathlib import Path
 
@@ -20,7 +25,19 @@ from featcal import compare as cmp  # noqa: E402
 from featcal.baselines import ProbSurgeryConfig, SurgeryConfig  # noqa: E402
 from featcal.calibrate import FeatCalConfig  # noqa: E402
 from featcal.families import family_for  # noqa: E402
-from featcal.profiling import measure  # noqa: E402
+from featcal.profiling import measure, phase_times  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from alpha_rerun import merge_json, verdict  # noqa: E402
+
+RATIO_GOAL = 2.0      # FeatCal calibration / bare forwards (issue: calibration at the speed of its forwards)
+DIFF_GOAL = 1e-5      # max relative weight difference of float32 products vs the all-float64 path
+
+
+def max_relative_difference(a: dict, b: dict) -> tuple[float, str]:
+    """max over tensors of max|a − b| / max|b|: how far `a` moved from the reference `b`."""
+    return max((float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)), n)
+               for n in b if b[n].is_floating_point())
 
 
 @torch.no_grad()
@@ -36,6 +53,7 @@ def forwards(bench, merged, batches) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples-per-task", type=int, default=None)
+    parser.add_argument("--out", default="results/bench.json", help="figures file (merged with other benchmarks')")
     args = parser.parse_args()
     params = load_params()
     tasks = enabled_tasks(params)
@@ -48,23 +66,51 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, {len(tasks)} tasks x {n} calibration examples, "
           f"merge {get(params, 'merge.method')}")
 
+    config = FeatCalConfig.from_mapping(get(params, "featcal"))
+    cmp.run_featcal(bench, merged, {t: b[:1] for t, b in batches.items()}, config)   # warm-up, not counted
     with measure() as fwd:
         forwards(bench, merged, batches)
-    _, featcal = cmp.run_featcal(bench, merged, batches, FeatCalConfig.from_mapping(get(params, "featcal")))
+    with phase_times() as phases:
+        calibrated, featcal = cmp.run_featcal(bench, merged, batches, config)
+    exact, featcal64 = cmp.run_featcal(bench, merged, batches, dataclasses.replace(config, product_dtype="float64"))
+    worst, worst_name = max_relative_difference(calibrated.state_dict(), exact.state_dict())
     _, surgery, surgery_train = cmp.run_surgery(bench, merged, batches, "surgery", SurgeryConfig(progress=False))
     _, prob, prob_train = cmp.run_surgery(bench, merged, batches, "probsurgery", ProbSurgeryConfig(progress=False))
 
-    rows = [("bare forwards (experts + merged)", fwd), ("FeatCal calibration", featcal),
+    rows = [("bare forwards (experts + merged)", fwd), (f"FeatCal calibration ({config.product_dtype} products)", featcal),
+            ("FeatCal, all-float64 products", featcal64),
             ("Surgery (features + training)", surgery), ("  Surgery training only", surgery_train),
             ("ProbSurgery (features + training)", prob), ("  ProbSurgery training only", prob_train)]
-    print(f"{'step':38s} {'wall s':>8s} {'peak RSS MiB':>13s} {'added MiB':>10s}")
+    print(f"{'step':42s} {'wall s':>8s} {'peak RSS MiB':>13s} {'added MiB':>10s}")
     for label, m in rows:
-        print(f"{label:38s} {m.wall_s:8.2f} {m.peak_rss_mib:13.0f} {m.added_rss_mib:10.0f}")
-    print(f"FeatCal / bare forwards: {featcal.wall_s / fwd.wall_s:.2f}x time")
+        print(f"{label:42s} {m.wall_s:8.2f} {m.peak_rss_mib:13.0f} {m.added_rss_mib:10.0f}")
+    print("where FeatCal's time goes:")
+    for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {seconds:7.2f} s {100 * seconds / featcal.wall_s:5.1f} %")
+    other = featcal.wall_s - sum(phases.values())
+    print(f"  {'(between phases)':28s} {other:7.2f} s {100 * other / featcal.wall_s:5.1f} %")
+    ratio = featcal.wall_s / fwd.wall_s
+    print(f"featcal_over_forwards {ratio:.2f} ({verdict(ratio, RATIO_GOAL)}); all-float64 path "
+          f"{featcal64.wall_s / fwd.wall_s:.2f}")
+    print(f"max_rel_diff_vs_float64 {worst:.2e} ({worst_name}; {verdict(worst, DIFF_GOAL)})")
     print(f"Surgery / FeatCal: {surgery.wall_s / featcal.wall_s:.2f}x time, "
           f"{surgery.added_rss_mib / max(featcal.added_rss_mib, 1e-9):.2f}x added memory")
     print(f"ProbSurgery / FeatCal: {prob.wall_s / featcal.wall_s:.2f}x time, "
           f"{prob.added_rss_mib / max(featcal.added_rss_mib, 1e-9):.2f}x added memory")
+    merge_json(Path(args.out), {
+        "featcal_over_forwards": round(ratio, 3),
+        "max_rel_diff_vs_float64": worst,
+        "calibration_cost": {
+            "command": shlex.join(["python", *sys.argv]),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "threads": torch.get_num_threads(), "tasks": len(tasks), "examples_per_task": n,
+            "steps": {label.strip(): m.as_dict() for label, m in rows},
+            "phases_s": {k: round(v, 2) for k, v in phases.items()},
+            "max_rel_diff_tensor": worst_name,
+            "goals": {"featcal_over_forwards": RATIO_GOAL, "max_rel_diff_vs_float64": DIFF_GOAL},
+        },
+    })
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
