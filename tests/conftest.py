@@ -2,8 +2,10 @@
 one tiny DVC project reproduced once per session.
 
 Helpers are plain functions (`from conftest import tiny_bert, perturbed, ...`); the tiny project is
-the session fixture `tiny_project`, which tests never modify: `project_copy` gives each test
-module its own copy (work tree, git history and DVC cache) to change.
+the session fixture `tiny_project`, which tests never modify: `copy_project` gives each test module
+its own copy (work tree, git history and DVC cache) to change. The project builds in the background
+while the in-process tests run (modules that use it run last); FEATCAL_TESTS_SERIAL=1 builds it
+in the foreground instead.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import copy
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +31,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
+
+from tiny_project import copy_pipeline, init_repo, make_base, make_tasks, project_env, tiny_params  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -109,6 +117,10 @@ def stages_skipped(output: str) -> set[str]:
 UPSTREAM = {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features"}
 DOWNSTREAM = {"collect-test-features", "evaluate-merged", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}
 
+# FEATCAL_TESTS_SERIAL=1: build the tiny project when the first test needs it, not alongside the
+# in-process tests (also the default on a single core).
+SERIAL = os.environ.get("FEATCAL_TESTS_SERIAL", "") not in ("", "0") or (os.cpu_count() or 1) < 2
+
 
 def copy_project(source: Path, dest: Path) -> Path:
     """A full copy of a project (work tree, .git, .dvc with its cache; times kept): DVC and git see
@@ -118,17 +130,99 @@ def copy_project(source: Path, dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="session")
-def tiny_project(tmp_path_factory):
-    """tests/tiny_project.py's project, reproduced once for the session in two steps:
-    `dvc repro merge collect-expert-features` (snapshot `upstream`), then `dvc repro` (`full`).
-    Read-only for tests: take a copy (`copy_project`) to change anything."""
-    root = tmp_path_factory.mktemp("tiny_project")
-    from tiny_project import make_project, run
+class TinyProjectBuild:
+    """tests/tiny_project.py's project, reproduced in two steps: `dvc repro merge
+    collect-expert-features` (then copied as `upstream`), then `dvc repro` (`full`).
 
-    project = make_project(root)
-    upstream_output = run([*DVC, "repro", "merge", "collect-expert-features"], project)
-    upstream = copy_project(project, root / "upstream")
-    full_output = run([*DVC, "repro"], project)
-    return SimpleNamespace(root=root, upstream=upstream, full=project,
-                           upstream_output=upstream_output, full_output=full_output)
+    The base model and task files are written at once (torch's global RNG, before any test runs);
+    the git/DVC part runs as subprocesses, from a background thread unless SERIAL: one core runs
+    the stages while the in-process tests run on the other. The environment is fixed here, so
+    tests that change os.environ meanwhile do not reach the build.
+    """
+
+    def __init__(self, root: Path):
+        self.root, self.project = root, root / "project"
+        self.env = project_env()
+        copy_pipeline(self.project)
+        make_base(root / "base")
+        params = tiny_params(root / "base", make_tasks(root / "raw"))
+        (self.project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen | None = None
+        self._cancelled = False
+        self._result: SimpleNamespace | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._build, name="tiny-project-build", daemon=True)
+        self._thread.start()
+
+    def result(self) -> SimpleNamespace:
+        if self._thread is None and self._result is None and self._error is None:
+            self._build()
+        elif self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop a build nobody will use (an interrupted session): kill the running DVC command."""
+        self._cancelled = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if self._thread is not None:
+            self._thread.join()
+
+    def _dvc(self, *args: str) -> str:
+        if self._cancelled:
+            raise RuntimeError("tiny project build cancelled")
+        self._proc = subprocess.Popen([*DVC, *args], cwd=self.project, env=self.env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        output = self._proc.communicate()[0]
+        if self._proc.returncode != 0:
+            raise AssertionError(f"dvc {' '.join(args)} failed ({self._proc.returncode}):\n{output[-8000:]}")
+        return output
+
+    def _build(self) -> None:
+        try:
+            init_repo(self.project, env=self.env)
+            upstream_output = self._dvc("repro", "merge", "collect-expert-features")
+            upstream = copy_project(self.project, self.root / "upstream")
+            full_output = self._dvc("repro")
+            self._result = SimpleNamespace(root=self.root, upstream=upstream, full=self.project,
+                                           upstream_output=upstream_output, full_output=full_output)
+        except BaseException as error:  # handed to the tests that need the project
+            self._error = error
+
+
+def _uses_tiny_project(item) -> bool:
+    return "tiny_project" in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with a test on the tiny project run last (each module whole, in its own order), so
+    that the project builds while the others run."""
+    late = {item.module for item in items if _uses_tiny_project(item) and getattr(item, "module", None)}
+    items[:] = sorted(items, key=lambda item: getattr(item, "module", None) in late)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _tiny_project_build(request, tmp_path_factory):
+    """Starts the tiny project's build as the session starts, when a selected test needs it."""
+    if not any(_uses_tiny_project(item) for item in request.session.items):
+        yield None
+        return
+    build = TinyProjectBuild(tmp_path_factory.mktemp("tiny_project"))
+    if not SERIAL:
+        build.start()
+    yield build
+    build.cancel()
+
+
+@pytest.fixture(scope="session")
+def tiny_project(_tiny_project_build):
+    """The reproduced tiny project (see TinyProjectBuild): `upstream` and `full` project folders and
+    the two `dvc repro` outputs. Read-only for tests: take a copy (`copy_project`) to change anything."""
+    return _tiny_project_build.result()

@@ -26,28 +26,23 @@ import torch
 import yaml
 from optuna.trial import TrialState
 from safetensors.torch import load_file, save_file
-from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2Model, RobertaConfig,
-                          RobertaForSequenceClassification)
+from transformers import GPT2Config, GPT2Model, RobertaConfig, RobertaForSequenceClassification
 
 from featcal import cli, merge_models, tune
 from featcal.modeling import (ImplausibleExpertWarning, NonFiniteWeightsError, load_backbone, load_classifier,
                               save_multitask)
 from featcal.store import write_group
-from tiny_project import ROOT, make_base, make_project, make_tasks, run, tiny_params
+from conftest import DVC, copy_project, tiny_bert
+from tiny_project import ROOT, make_base, make_tasks, run, tiny_params
 
 sys.path.insert(0, str(ROOT / "stages"))
 import common  # noqa: E402  (stages/common.py: what every stage runs first)
 import gen_chain  # noqa: E402
 import prepare  # noqa: E402
 
-DVC = [sys.executable, "-m", "dvc"]
-
-
-def tiny_bert_classifier(seed: int = 0, hidden: int = 32) -> BertForSequenceClassification:
-    torch.manual_seed(seed)
-    config = BertConfig(vocab_size=19, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2)
-    return BertForSequenceClassification(config).eval()
+def tiny_bert_classifier(seed: int = 0, hidden: int = 32):
+    """The tiny project's base size (tests/tiny_project.py: 19 tokens, hidden 32) as a classifier."""
+    return tiny_bert(seed, vocab=19, hidden=hidden, intermediate=64, positions=64)
 
 
 @pytest.fixture(scope="module")
@@ -442,10 +437,12 @@ TARGET = "calibrate-layer@L01"   # the stages up to it are all these cases need 
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """The tiny project reproduced up to its last calibrate-layer stage."""
-    project = make_project(tmp_path_factory.mktemp("bad_inputs_dvc"))
-    run([*DVC, "repro", TARGET], project)
+def project(tiny_project, tmp_path_factory):
+    """A copy of the session's reproduced tiny project (every stage up to TARGET recorded)."""
+    project = copy_project(tiny_project.full, tmp_path_factory.mktemp("bad_inputs_dvc") / "project")
+    # DVC's state (file hashes by inode and mtime) is per repository: record the copy's files now, so
+    # that a later edit keeping size and mtime is as invisible to DVC as in a project that ran here
+    restore(project)
     return project
 
 

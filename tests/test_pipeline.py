@@ -15,31 +15,27 @@ from featcal.data import batches_from_arrays
 from featcal.modeling import load_backbone, load_classifier
 from featcal.store import read_group
 
-from tiny_project import make_project, run
+from conftest import UPSTREAM, copy_project, stages_run, stages_skipped
+from tiny_project import run
 
 pytestmark = pytest.mark.slow
 
 
-def stages_run(output: str) -> set[str]:
-    return set(re.findall(r"Running stage '([^']+)'", output))
-
-
-def stages_skipped(output: str) -> set[str]:
-    return set(re.findall(r"Stage '([^']+)' didn't change, skipping", output))
-
-
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """The tiny project after its first full `dvc repro` (and the output of that run)."""
-    project = make_project(tmp_path_factory.mktemp("pipeline"))
-    return project, run([sys.executable, "-m", "dvc", "repro"], project)
+def project(tiny_project, tmp_path_factory):
+    """A copy of the session's tiny project after its `dvc repro` (and the output of the two runs
+    that reproduced it: `dvc repro merge collect-expert-features`, then `dvc repro`)."""
+    project = copy_project(tiny_project.full, tmp_path_factory.mktemp("pipeline") / "project")
+    return project, (tiny_project.upstream_output, tiny_project.full_output)
 
 
 def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(project):
-    project, first = project
+    project, (upstream, first) = project
     expected = {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features",
                 "collect-test-features", "evaluate-merged", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}
-    assert stages_run(first) == expected, first
+    # every stage ran once: the upstream part first, the plain `dvc repro` ran the rest and skipped it
+    assert stages_run(upstream) == UPSTREAM, upstream
+    assert stages_run(first) == expected - UPSTREAM and UPSTREAM <= stages_skipped(first), first
     metrics = json.loads((project / "results/metrics.json").read_text())
     assert set(metrics) == {"experts", "merged", "featcal", "gap_closed"}
     assert set(metrics["featcal"]) == {"avg", "sentiment", "topic"}

@@ -1,36 +1,24 @@
 """Team sharing through a DVC remote on a real OpenSSH server (127.0.0.1, temporary keys).
 
-Clone A runs the tiny pipeline up to `collect-expert-features` and pushes; clone B (fresh `git
-clone`, empty DVC cache) pulls, and its `dvc repro` re-runs only calibration and evaluation. The
-calibrated layers of A and B are then equal bit for bit.
+Clone A (a copy of the session's tiny project when it had run up to `collect-expert-features`)
+pushes; clone B (fresh `git clone`, empty DVC cache) pulls, and its `dvc repro` re-runs only
+calibration and evaluation. The calibrated layers of B and of A's own `dvc repro` (the session's
+project, reproduced from that same state) are then equal bit for bit.
 """
 
 import asyncio
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import DOWNSTREAM, DVC, UPSTREAM, copy_project, stages_run, stages_skipped
 from ssh_server import ssh_server
-from tiny_project import make_project, run
+from tiny_project import run
 
 pytestmark = pytest.mark.slow
-
-DVC = [sys.executable, "-m", "dvc"]
-UPSTREAM = {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features"}
-# the test-set features and the merged model's scores were not pushed either: computed downstream
-DOWNSTREAM = {"collect-test-features", "evaluate-merged", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}
-
-
-def stages_run(output: str) -> set[str]:
-    return set(re.findall(r"Running stage '([^']+)'", output))
-
-
-def stages_skipped(output: str) -> set[str]:
-    return set(re.findall(r"Stage '([^']+)' didn't change, skipping", output))
 
 
 def files_moved(output: str, verb: str) -> int:
@@ -75,17 +63,18 @@ def set_keyfile(project: Path, srv) -> None:
     run(DVC + ["remote", "modify", "--local", "storage", "keyfile", str(srv.keyfile)], project)
 
 
-def test_push_from_clone_a_pull_into_fresh_clone_b_reruns_only_calibration(tmp_path, server):
+def test_push_from_clone_a_pull_into_fresh_clone_b_reruns_only_calibration(tiny_project, tmp_path, server):
     remote_dir = tmp_path / "remote"
-    a = make_project(tmp_path)
+    # A ran `dvc repro merge collect-expert-features` (collect-expert-features does not depend on
+    # merge: both targets named)
+    a = copy_project(tiny_project.upstream, tmp_path / "project")
+    first = tiny_project.upstream_output
+    assert stages_run(first) == UPSTREAM, first
 
     # A: the remote goes into the committed .dvc/config; the expensive part of the pipeline is
     # committed to git (dvc.lock, .gitignore files, the uncached metrics) and pushed to the remote
     run(DVC + ["remote", "add", "-d", "storage", server.url(remote_dir)], a)
     set_keyfile(a, server)
-    # collect-expert-features does not depend on merge: name both targets
-    first = run(DVC + ["repro", "merge", "collect-expert-features"], a)
-    assert stages_run(first) == UPSTREAM, first
     layer = a / "features/experts/layer_00.zarr"
     layer_files = [p.relative_to(layer).as_posix() for p in files_under(layer)]
     # one zarr.json for the group, one zarr.json + one shard file per task array
@@ -117,6 +106,7 @@ def test_push_from_clone_a_pull_into_fresh_clone_b_reruns_only_calibration(tmp_p
 
     # DVC's own view before and during repro: in the main pipeline only the downstream stages are
     # out of date (compare/dvc.yaml holds optional extra runs, not part of this exchange)
+    # (the test-set features and the merged model's scores were not pushed either: computed downstream)
     out = run(DVC + ["status", "--json", "dvc.yaml"], b)
     status = json.loads(out[out.index("{"):out.rindex("}") + 1])
     assert set(status) == DOWNSTREAM, status
@@ -124,17 +114,19 @@ def test_push_from_clone_a_pull_into_fresh_clone_b_reruns_only_calibration(tmp_p
     assert stages_run(second) == DOWNSTREAM, second
     assert UPSTREAM <= stages_skipped(second), second
 
-    # A calibrates from its own cache; the weights agree bit for bit
-    third = run(DVC + ["repro"], a)
+    # A calibrates from its own cache (the session's project: `dvc repro` after the same upstream
+    # run); the weights agree bit for bit
+    third = tiny_project.full_output
     assert stages_run(third) == DOWNSTREAM, third
-    layers_a = sorted(p.name for p in (a / "calib/layers").glob("*.safetensors"))
+    calibrated_a = tiny_project.full / "calib/layers"
+    layers_a = sorted(p.name for p in calibrated_a.glob("*.safetensors"))
     assert layers_a == ["L00.safetensors", "L01.safetensors"]
     for name in layers_a:
-        assert (a / "calib/layers" / name).read_bytes() == (b / "calib/layers" / name).read_bytes(), name
+        assert (calibrated_a / name).read_bytes() == (b / "calib/layers" / name).read_bytes(), name
 
     # shown with `pytest -s`: what one exchange moved (README, "Sharing caches with a team")
-    stores = sorted(a.glob("features/experts/*.zarr")) + sorted(a.glob("calib/*/*.zarr"))
+    stores = sorted(b.glob("features/experts/*.zarr")) + sorted(b.glob("calib/*/*.zarr"))
     print(f"\nremote exchange: {n_pushed} files pushed in {push_s:.1f}s, pulled in {pull_s:.1f}s; "
           f"{len(files_under(remote_dir))} files on the remote")
     for store in stores:
-        print(f"  {store.relative_to(a)}: {len(files_under(store))} files")
+        print(f"  {store.relative_to(b)}: {len(files_under(store))} files")

@@ -22,14 +22,9 @@ from safetensors.torch import load_file
 from featcal import tune
 from featcal.calibrate import FeatCalConfig
 from featcal.data import TaskSplit
+from conftest import DVC, copy_project, stages_run
 from pg_server import postgres_server
-from tiny_project import ROOT, make_project, run
-
-DVC = [sys.executable, "-m", "dvc"]
-
-
-def stages_run(output: str) -> set[str]:
-    return set(re.findall(r"Running stage '([^']+)'", output))
+from tiny_project import ROOT, run
 
 
 def edit_params(project: Path, **sections) -> dict:
@@ -49,11 +44,10 @@ def trials_of(storage: str, name: str) -> list[optuna.trial.FrozenTrial]:
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """The tiny project, reproduced up to what tuning reads (experts, merge, expert features)."""
-    project = make_project(tmp_path_factory.mktemp("tune"))
-    run([*DVC, "repro", "merge", "collect-expert-features"], project)
-    return project
+def project(tiny_project, tmp_path_factory):
+    """A copy of the session's tiny project reproduced up to what tuning reads (experts, merge,
+    expert features)."""
+    return copy_project(tiny_project.upstream, tmp_path_factory.mktemp("tune") / "project")
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +234,12 @@ def test_two_workers_share_one_postgres_study(project, postgres, tmp_path):
 
 
 WORKER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from featcal import tune
-    url, name, go = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    url, name, go, ready = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     study = tune.open_study(url, name)
+    (ready / str(os.getpid())).touch()
     while not go.exists():
         time.sleep(0.01)
     def objective(trial):
@@ -257,11 +252,16 @@ WORKER = textwrap.dedent("""
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 def test_claims_meet_the_total_exactly_under_contention(backend, request, tmp_path):
     url = request.getfixturevalue("postgres").url if backend == "postgresql" else f"sqlite:///{tmp_path / 's.db'}"
-    go = tmp_path / "go"
+    go, ready = tmp_path / "go", tmp_path / "ready"
+    ready.mkdir()
     tune.open_study(url, "race")     # create the schema once
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, url, "race", str(go)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(3)]
-    time.sleep(3)
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, url, "race", str(go), str(ready)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(3)]
+    # all three hold the study open before any starts claiming (not a fixed sleep: imports take a while)
+    deadline = time.monotonic() + 240
+    while len(list(ready.iterdir())) < 3 and time.monotonic() < deadline \
+            and all(w.poll() is None for w in workers):
+        time.sleep(0.05)
     go.touch()
     outputs = [w.communicate(timeout=240) for w in workers]
     assert [w.returncode for w in workers] == [0, 0, 0], [o[1][-2000:] for o in outputs]

@@ -79,6 +79,8 @@ def tiny_params(base: Path, tasks: dict) -> dict:
     params["finetune"] = {"learning_rate": 1e-3, "epochs": 2, "batch_size": 16, "overrides": {}}
     params["calibration"] = {"examples_per_task": 24, "batch_size": 8}
     params["evaluate"] = {"drift_examples_per_task": 16}
+    # three anchors (of params.yaml's eleven) for the comparison runs: the data-free classics
+    params["compare"]["anchors"] = {k: params["compare"]["anchors"][k] for k in ("average", "task_arithmetic", "ties")}
     params["compare"].update({"examples_per_task": 16, "sample_sizes": [4, 16], "surgery": {"iterations": 20},
                               "probsurgery": {"iterations": 20}})
     params["compare"]["sigmerge"].update({"grid": [[0.01, 0.05], [0.05, 0.3]], "shared_examples_per_task": 4})
@@ -91,8 +93,9 @@ def project_env() -> dict[str, str]:
     return dict(os.environ, HF_HUB_OFFLINE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
 
 
-def run(cmd: list[str], cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=project_env(), capture_output=True, text=True)
+def run(cmd: list[str], cwd: Path, env: Mapping[str, str] | None = None) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=dict(env) if env is not None else project_env(), capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return proc.stdout + proc.stderr
@@ -108,16 +111,16 @@ def copy_pipeline(project: Path) -> None:
     shutil.copytree(ROOT / "featcal", project / "featcal", ignore=shutil.ignore_patterns("__pycache__"))
 
 
-def init_repo(project: Path, message: str = "tiny project") -> None:
+def init_repo(project: Path, message: str = "tiny project", env: Mapping[str, str] | None = None) -> None:
     """git + DVC repository with the chain generated for the params, everything committed."""
     (project / ".gitignore").write_text("__pycache__/\n")
-    run(["git", "init", "-q"], project)
-    run(["git", "config", "user.email", "test@example.com"], project)
-    run(["git", "config", "user.name", "test"], project)
-    run([sys.executable, "-m", "dvc", "init", "-q"], project)
-    run([sys.executable, "stages/gen_chain.py"], project)
-    run(["git", "add", "-A"], project)
-    run(["git", "commit", "-qm", message], project)
+    run(["git", "init", "-q"], project, env)
+    run(["git", "config", "user.email", "test@example.com"], project, env)
+    run(["git", "config", "user.name", "test"], project, env)
+    run([sys.executable, "-m", "dvc", "init", "-q"], project, env)
+    run([sys.executable, "stages/gen_chain.py"], project, env)
+    run(["git", "add", "-A"], project, env)
+    run(["git", "commit", "-qm", message], project, env)
 
 
 def make_project(root: Path, params: dict | None = None) -> Path:
