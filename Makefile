@@ -26,7 +26,7 @@ $(STAMP): requirements.txt requirements.lock pyproject.toml
 
 test: setup
 	bash tests/system_deps.sh
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=10 tests
 
 repro: setup
 	$(PY) stages/gen_chain.py

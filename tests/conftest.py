@@ -91,6 +91,12 @@ def batches_for(tasks, seed: int = 0, n_batches: int = 2, bs: int = 6, length: i
     return out
 
 
+def save_models(root: Path, models: dict) -> None:
+    """Each model saved (`save_pretrained`) in the folder `root/<name>`."""
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+
+
 def assert_same_state(a, b) -> None:
     """Two modules hold the same tensors, bit for bit, under the same names in the same order."""
     a, b = a.state_dict(), b.state_dict()

@@ -31,7 +31,7 @@ from featcal.distributed import (
     zero_moments,
 )
 from featcal.moments import LinearMoments, NormMoments
-from conftest import perturbed, tiny_bert
+from conftest import perturbed, save_models, tiny_bert
 
 RTOL = ATOL = 1e-9
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,10 +81,7 @@ def saved(tmp_path_factory):
     base = tiny_bert(layers=3, dtype=torch.float64)
     experts = {t: perturbed(base, i + 1) for i, t in enumerate(["a", "b", "c"])}
     merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
-    base.save_pretrained(root / "base")
-    merged.save_pretrained(root / "merged")
-    for t, m in experts.items():
-        m.save_pretrained(root / t)
+    save_models(root, {"base": base, "merged": merged, **experts})
     # 3 batches of a (rank 0 gets 2, rank 1 gets 1), 2 of b, 1 of c (rank 1 has no example of c)
     batches = make_batches({"a": 3, "b": 2, "c": 1})
     torch.save(batches, root / "batches.pt")

@@ -14,7 +14,7 @@ from featcal.lazy import calibrate_lazy
 from featcal.store import StoreFormat, read_group, write_group
 from featcal.tune import TuneProblem
 from featcal.walk import ModuleWeights, walk_all
-from conftest import batches_for, perturbed, tiny_bert
+from conftest import batches_for, perturbed, save_models, tiny_bert
 
 
 @pytest.fixture(scope="module")
@@ -23,10 +23,7 @@ def saved(tmp_path_factory):
     base = tiny_bert(layers=3)
     experts = {t: perturbed(base, i + 2, scale=0.1, encoder_only=True) for i, t in enumerate("ab")}
     merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
-    base.save_pretrained(root / "base")
-    merged.save_pretrained(root / "merged")
-    for t, m in experts.items():
-        m.save_pretrained(root / t)
+    save_models(root, {"base": base, "merged": merged, **experts})
     return dict(root=root, base=base, experts=experts, merged=merged, batches=batches_for(experts, n_batches=2))
 
 
