@@ -26,6 +26,7 @@ from .data import Batches, TaskSplit, calibration_subset, fixed_width, read_spli
 from .merging import MergeContext, data_options, get_method
 from .modeling import load_backbone, load_classifier, load_tokenizer, with_backbone
 from .profiling import Measurement, measure
+from .evaluate import score_backbone as score_with_heads
 from .train import accuracy
 
 CALIBRATION_SPLIT = "train"
@@ -103,11 +104,8 @@ def merge_context(bench: Workbench, method: str, data: Mapping[str, int] | None 
 @torch.no_grad()
 def score_backbone(bench: Workbench, backbone: nn.Module, split: str = "test") -> dict[str, float]:
     """Accuracy per task on `split`: the backbone under each task's own head."""
-    out = {}
-    for task, expert in bench.experts.items():
-        model = with_backbone(_fresh_copy(expert), backbone.state_dict())
-        out[task] = accuracy(model, bench.tokenizer, bench.split(task, split), bench.lengths[task])
-    return out
+    heads = {t: _fresh_copy(expert) for t, expert in bench.experts.items()}
+    return score_with_heads(backbone, heads, bench.tokenizer, {t: bench.split(t, split) for t in heads}, bench.lengths)
 
 
 @torch.no_grad()

@@ -62,7 +62,10 @@ def layer_drift(family: Family, experts: Mapping[str, nn.Module], candidate: nn.
 @torch.no_grad()
 def score_backbone(backbone: nn.Module, heads: Mapping[str, nn.Module], tokenizer, splits: Mapping[str, TaskSplit],
                    max_length: Mapping[str, int]) -> dict[str, float]:
-    """Accuracy per task of `backbone` under each task's head (`featcal.lazy.load_head` models)."""
+    """Accuracy per task of `backbone` under each task's head: the one scorer of the project.
+
+    `heads[task]` is a task model (an expert, or a `featcal.lazy.load_head` model) whose backbone is
+    replaced by `backbone`'s parameters (shared, not copied); only tasks in `heads` are scored."""
     return {t: accuracy(with_backbone_assigned(heads[t], backbone), tokenizer, splits[t], max_length[t]) for t in heads}
 
 

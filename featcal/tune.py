@@ -49,9 +49,9 @@ from torch import Tensor, nn
 from .calibrate import HYPER_KEYS, FeatCalConfig
 from .data import TaskSplit, batches_from_arrays, read_split
 from .families import Family, family_for
-from .modeling import atomic_file, load_backbone, load_classifier, load_tokenizer, with_backbone, write_json
+from .modeling import atomic_file, load_backbone, load_classifier, load_tokenizer, write_json
 from .store import read_group
-from .train import accuracy
+from .evaluate import score_backbone
 from .walk import CachedExpertStates, ModuleWeights, walk_all
 
 log = logging.getLogger(__name__)
@@ -189,10 +189,9 @@ class TuneProblem:
 
     @torch.no_grad()
     def score(self, backbone: nn.Module) -> dict[str, float]:
-        """Dev accuracy per task, each task's head on `backbone` (`featcal.train.accuracy`)."""
-        state = backbone.state_dict()
-        return {t: accuracy(with_backbone(self._scorers[t], state), self.tokenizer, d.split, d.max_length)
-                for t, d in self.dev.items()}
+        """Dev accuracy per task, each task's head on `backbone` (`featcal.evaluate.score_backbone`)."""
+        return score_backbone(backbone, self._scorers, self.tokenizer, {t: d.split for t, d in self.dev.items()},
+                              {t: d.max_length for t, d in self.dev.items()})
 
     def fingerprint(self, config: FeatCalConfig, space: SearchSpace) -> str:
         """A digest of what a trial's score depends on apart from the searched values: models,
