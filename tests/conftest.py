@@ -4,8 +4,8 @@ one tiny DVC project reproduced once per session.
 Helpers are plain functions (`from conftest import tiny_bert, perturbed, ...`); the tiny project is
 the session fixture `tiny_project`, which tests never modify: `copy_project` gives each test module
 its own copy (work tree, git history and DVC cache) to change. The project builds in the background
-while the in-process tests run (modules that use it run last); FEATCAL_TESTS_SERIAL=1 builds it
-in the foreground instead.
+while the other tests run (the tests that use it run last); FEATCAL_TESTS_SERIAL=1 builds it in
+the foreground instead.
 """
 
 from __future__ import annotations
@@ -208,10 +208,9 @@ def _uses_tiny_project(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules with a test on the tiny project run last (each module whole, in its own order), so
-    that the project builds while the others run."""
-    late = {item.module for item in items if _uses_tiny_project(item) and getattr(item, "module", None)}
-    items[:] = sorted(items, key=lambda item: getattr(item, "module", None) in late)
+    """The tests on the tiny project run last (in their order), so that the project builds while the
+    others run."""
+    items[:] = sorted(items, key=_uses_tiny_project)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -50,8 +50,9 @@ def project(tiny_project, tmp_path_factory):
     return copy_project(tiny_project.upstream, tmp_path_factory.mktemp("tune") / "project")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def postgres():
+    """One server for the session (the tests on the tiny project run apart from the others: see conftest)."""
     with postgres_server() as server:
         yield server
 
@@ -192,7 +193,8 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
     defaults = FeatCalConfig.from_mapping(params["featcal"])
     assert_layers_equal(project, problem.calibrate(FeatCalConfig.from_mapping({**params["featcal"], **best["featcal"]}))
                         .state_dict())
-    assert_layers_equal(project, problem.calibrate(defaults).state_dict(), equal=False)
+    with_defaults = problem.calibrate(defaults).state_dict()
+    assert_layers_equal(project, with_defaults, equal=False)
     assert "up to date" in run([*DVC, "status", "dvc.yaml"], project).lower()
 
     edit_params(project, featcal__use_tuned=False)      # back to params.yaml's values, no tune stage
@@ -201,7 +203,7 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
     assert stages_run(fourth) == {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, fourth
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert "tune/best.yaml" not in lock["stages"]["calibrate-layer@L00"]["params"]
-    assert_layers_equal(project, problem.calibrate(defaults).state_dict())
+    assert_layers_equal(project, with_defaults)
 
 
 @pytest.mark.slow
