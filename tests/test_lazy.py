@@ -12,7 +12,6 @@ import featcal.walk as walk_module
 from featcal import merge_models
 from featcal.calibrate import FeatCalConfig, calibrate
 from featcal.lazy import CheckpointReader, LazyBackbone, block_group, calibrate_lazy, lazy_merge, parse_size
-# assert_same_state, perturbed and tiny_bert are imported from here by test_anchors
 from conftest import assert_same_state, batches_for, perturbed, tiny_bert
 
 
