@@ -48,7 +48,8 @@ def main() -> None:
                                    {t: max_length(params, t) for t in tasks}, int(get(params, "seed")))
             context = merge_context(bench, method, data)
             merged = merge_models(bench.base, bench.experts, method, options, context)
-            save_multitask("models/merged", merged, bench.experts, bench.tokenizer)
+            save_multitask("models/merged", merged, bench.experts, load_tokenizer(base_ref))   # a fresh one: the
+            # workbench's tokenizer has been used with padding, which would change tokenizer.json
             record.update(context.record)
             report = get_method(method).report
             if report is not None:
