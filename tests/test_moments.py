@@ -64,3 +64,10 @@ def test_packed_moments_round_trip_exactly():
         for task, m in per_task.items():
             for name, value in moments_to_arrays(m).items():
                 assert torch.equal(moments_to_arrays(back[module][task])[name], value), (module, task, name)
+
+
+def test_blocked_gram_equals_the_plain_product():
+    from featcal.moments import gram_of
+    x = torch.randn(300, 1100, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(gram_of(x, block=256), x.T @ x, rtol=1e-12, atol=1e-9)
+    assert torch.equal(gram_of(x[:, :100], block=256), x[:, :100].T @ x[:, :100])   # narrow: one product
