@@ -138,7 +138,7 @@ def run_capturing(
     names: Iterable[str],
     stream: Stream,
     projected: Iterable[str] = (),
-    product_dtype: torch.dtype = torch.float32,
+    product_dtype: torch.dtype = torch.float64,
 ) -> tuple[dict[str, Tensor], Stream]:
     """Run one block on a stream, recording the input of each named module (forward pre-hooks).
 
