@@ -20,8 +20,6 @@ from featcal.merging.spectral import polar
 from featcal.merging.tsv import tsv_factors
 from conftest import assert_same_state, perturbed, tiny_bert
 
-torch.set_num_threads(1)
-
 
 # --------------------------------------------------------------------------- NumPy references
 

@@ -34,8 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))
 from params_schema import ParamsError, check_merge_options, validate  # noqa: E402
 
-torch.set_num_threads(1)
-
 
 def models(layers: int = 2, tasks: str = "abc", scale: float = 0.005):
     """A tiny BERT base and experts moved by `scale` (fine-tune sized by default), each with its head."""
