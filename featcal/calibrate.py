@@ -217,7 +217,7 @@ def accumulate_block_moments(
         xs = real_rows(student_inputs[name], rows)
         if module_kind(module) == "linear":
             m = moments.setdefault(name, LinearMoments())
-            projected = expert_inputs.get(projected_key(name)) if projects_cross(module) else None
+            projected = expert_inputs[projected_key(name)] if projects_cross(module) else None
             key = (student_inputs[name].data_ptr(), expert_inputs[name].data_ptr(), xs.shape, use_weights)
             if projected is None and key in shared:  # q/k/v read the same input: reuse the batch sums
                 m.merge(shared[key])

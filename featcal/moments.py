@@ -90,13 +90,13 @@ class LinearMoments:
             w = _row_weights(weights, xs.shape[0], xs.device)
             count, w = w.sum().cpu(), w.to(product_dtype)[:, None]   # counts stay on the host
         weigh = (lambda x: x) if weights is None else (lambda x: x * w)
-        xs_w = weigh(xs)
+        xs_w, xe_w = weigh(xs), weigh(xe)
         if expert_projected is None:
-            cross, projected = weigh(xe).T @ xs, None
+            cross, projected = xe_w.T @ xs, None
         else:
             cross, projected = None, weigh(_rows(expert_projected, product_dtype)).T @ xs
         gram = gram_of(xs) if weights is None else xs_w.T @ xs
-        return LinearMoments(count, gram, cross, xs_w.sum(0), weigh(xe).sum(0), projected)
+        return LinearMoments(count, gram, cross, xs_w.sum(0), xe_w.sum(0), projected)
 
     def merge(self, other: "LinearMoments") -> "LinearMoments":
         _merge_into(self, other)

@@ -164,13 +164,12 @@ def test_device_setting_is_checked_and_cpu_is_the_same_walk(saved):
     assert next(saved["base"].parameters()).device.type == "cpu"   # the caller's models stay put
 
 
-def test_a_stream_moves_every_tensor_it_carries():
-    from featcal.families.base import Stream
-    stream = Stream(torch.zeros(2, 3, 4), torch.ones(2, 3, dtype=torch.bool), (torch.zeros(1), None),
-                    {"position_embeddings": (torch.zeros(2), torch.ones(2)), "flag": True},
-                    torch.zeros(2, dtype=torch.long), {"encoder_mask": torch.ones(2, 3)})
-    moved = stream.to(torch.device("meta"))
-    tensors = [moved.hidden, moved.mask, moved.args[0], *moved.kwargs["position_embeddings"], moved.pooled_index,
-               moved.extras["encoder_mask"]]
+def test_to_device_moves_every_tensor_in_nested_batches():
+    from featcal.families.base import to_device
+    batches = {"a": [{"input_ids": torch.zeros(2, 3, dtype=torch.long), "extra": (torch.zeros(1), None)}],
+                "b": [{"attention_mask": torch.ones(2, 3), "flag": True}]}
+    moved = to_device(batches, torch.device("meta"))
+    tensors = [moved["a"][0]["input_ids"], moved["a"][0]["extra"][0], moved["b"][0]["attention_mask"]]
     assert all(t.device.type == "meta" for t in tensors)
-    assert moved.args[1] is None and moved.kwargs["flag"] is True
+    assert moved["a"][0]["extra"][1] is None and moved["b"][0]["flag"] is True
+    assert isinstance(moved["a"][0]["extra"], tuple) and isinstance(moved["a"], list)

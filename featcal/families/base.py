@@ -7,7 +7,7 @@ the blocks one at a time on hidden states with exactly the inputs the full model
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -34,10 +34,6 @@ class Stream:
 
     def with_hidden(self, hidden: Tensor) -> "Stream":
         return replace(self, hidden=hidden)
-
-    def to(self, device: torch.device) -> "Stream":
-        """The same stream with every tensor in it (masks, extra block inputs) on `device`."""
-        return Stream(*(to_device(getattr(self, f.name), device) for f in fields(self)))
 
 
 def to_device(value: Any, device: torch.device) -> Any:

@@ -39,7 +39,7 @@ from featcal.calibrate import enter_streams, run_capturing
 from featcal.families import Family, module_kind
 from featcal.merging.dense import _check_real
 from featcal.merging.registry import MergeContext, StateDict, register
-from featcal.moments import LinearMoments
+from featcal.moments import LinearMoments, gram_of
 from featcal.solve import spd_solve
 from featcal.walk import ModuleWeights, Streams, walk_blocks
 
@@ -87,7 +87,7 @@ def regmean_weight(grams: Sequence[Tensor], weights: Sequence[Tensor], a: float,
 def gram_sums(rows: Tensor) -> LinearMoments:
     """Σ x xᵀ and the row count of one batch's rows (..., n), in float64."""
     x = rows.reshape(-1, rows.shape[-1]).to(torch.float64)
-    return LinearMoments(count=torch.tensor(float(x.shape[0]), dtype=torch.float64), student_gram=x.T @ x)
+    return LinearMoments(count=torch.tensor(float(x.shape[0]), dtype=torch.float64), student_gram=gram_of(x))
 
 
 # --------------------------------------------------------------------------- gathering Grams
