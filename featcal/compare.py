@@ -10,11 +10,15 @@ scoring, shared examples — never test data.
 from __future__ import annotations
 
 import copy
+import gc
+import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from . import merge_models
 from .baselines import (
@@ -23,7 +27,8 @@ from .baselines import (
 from .calibrate import FeatCalConfig, calibrate
 from .corrupt import corrupt_texts
 from .data import Batches, TaskSplit, calibration_subset, fixed_width, read_split, tokenize_batches
-from .merging import MergeContext, data_options, get_method
+from .merging import MergeContext, data_options, get_method, split_options
+from .merging.sigmerge import plot_admitted
 from .modeling import load_backbone, load_classifier, load_tokenizer, with_backbone
 from .profiling import Measurement, measure
 from .evaluate import score_backbone as score_with_heads
@@ -146,6 +151,101 @@ def summarise(scores: Mapping[str, float], experts_avg: float, merged_avg: float
     gap = experts_avg - merged_avg
     return {"avg": round(avg, 4), "gap_closed": round((avg - merged_avg) / gap, 4) if abs(gap) > 1e-12 else None,
             **{t: round(v, 4) for t, v in scores.items()}}
+
+
+def calibrations(bench: Workbench, merged: nn.Module, batches: Batches, featcal_config: FeatCalConfig,
+                 surgery: SurgeryConfig, probsurgery: ProbSurgeryConfig) -> dict[str, dict]:
+    """Scores and costs of FeatCal, Surgery and ProbSurgery on one merged backbone, same batches."""
+    rows = {}
+    calibrated, cost = run_featcal(bench, merged, batches, featcal_config)
+    rows["featcal"] = {"scores": score_backbone(bench, calibrated), "cost": cost.as_dict()}
+    del calibrated
+    for kind, config in (("surgery", surgery), ("probsurgery", probsurgery)):
+        modules, total, training = run_surgery(bench, merged, batches, kind, config)
+        rows[kind] = {"scores": score_surgery(bench, merged, modules), "cost": total.as_dict(),
+                      "training_only_cost": training.as_dict()}
+    gc.collect()
+    return rows
+
+
+def merge_anchor(bench: Workbench, anchor: str, options: Mapping[str, Any]) -> tuple[nn.Module, dict]:
+    """The anchor merge and its row: options, data options, the merge's cost (a data method's
+    train sample and context included) and the method's summary."""
+    method_options, data = split_options(anchor, options)
+    with measure() as cost:
+        context = merge_context(bench, anchor, data)
+        merged = merge(bench, anchor, method_options, context)
+    row = {"options": method_options, "merge_cost": cost.as_dict()}
+    if data:
+        row["data"] = data
+    if "summary" in context.record:
+        row["merge_summary"] = context.record["summary"]
+    return merged, row
+
+
+def residual_gap(scores: Mapping[str, float], experts: Mapping[str, float]) -> float:
+    """Mean over tasks of expert accuracy − model accuracy (points)."""
+    return round(100 * sum(experts[t] - scores[t] for t in experts) / len(experts), 2)
+
+
+@dataclass
+class DevChoice:
+    """The candidate with the highest mean dev accuracy, its merge and record, and every candidate's score."""
+
+    options: dict
+    dev_avg: float
+    merged: nn.Module
+    record: dict
+    grid: list[dict]
+
+
+def choose_on_dev(bench: Workbench, method: str, candidates: Sequence[Mapping[str, Any]],
+                  context: MergeContext | None = None) -> DevChoice:
+    """Merge with each candidate's options and keep the best on the dev split (never test); ties go
+    to the earlier candidate."""
+    best, grid = None, []
+    for options in tqdm(candidates, desc=f"{method} on dev", unit="setting"):
+        merged = merge(bench, method, dict(options), context)
+        dev = score_backbone(bench, merged, split="dev")
+        dev_avg = sum(dev.values()) / len(dev)
+        grid.append({**options, "dev_avg": round(dev_avg, 4)})
+        if best is None or dev_avg > best.dev_avg:
+            best = DevChoice(dict(options), dev_avg, merged, dict(context.record) if context else {}, grid)
+    if best is None:
+        raise ValueError(f"merge method {method!r}: no candidate options to choose from")
+    return best
+
+
+def sigmerge_table(bench: Workbench, anchors: Mapping[str, Mapping[str, Any]], grid: Sequence[Sequence[float]],
+                   shared_examples_per_task: int, featcal_config: FeatCalConfig, experts: Mapping[str, float],
+                   batches: Batches, plot_dir: str | os.PathLike) -> dict:
+    """Per anchor: the anchor, SigMerge(anchor) with (c_min, c_max) chosen on dev from `grid`, and
+    each + FeatCal; a plot of SigMerge's admitted coordinates per anchor in `plot_dir`."""
+    out = {"experts_avg": round(sum(experts.values()) / len(experts), 4), "anchors": {}}
+    context = merge_context(bench, "sigmerge", {"shared_examples_per_task": int(shared_examples_per_task)})
+    for anchor, anchor_options in anchors.items():
+        choice = choose_on_dev(bench, "sigmerge", [
+            {"anchor": anchor, "anchor_options": anchor_options, "c_min": c_min, "c_max": c_max} for c_min, c_max in grid
+        ], context)
+        models = {"anchor": merge(bench, anchor, anchor_options), "sigmerge": choice.merged}
+        rows = {}
+        for label, backbone in list(models.items()):
+            calibrated, cost = run_featcal(bench, backbone, batches, featcal_config)
+            for name, model in ((label, backbone), (f"{label}+featcal", calibrated)):
+                scores = score_backbone(bench, model)
+                rows[name] = {"avg": round(sum(scores.values()) / len(scores), 4),
+                              "residual_gap_points": residual_gap(scores, experts), "scores": scores}
+            rows[f"{label}+featcal"]["featcal_wall_s"] = round(cost.wall_s, 2)
+        out["anchors"][anchor] = {
+            "chosen_on_dev": {"c_min": choice.options["c_min"], "c_max": choice.options["c_max"],
+                              "dev_avg": round(choice.dev_avg, 4),
+                              "grid": [{"c_min": g["c_min"], "c_max": g["c_max"], "dev_avg": g["dev_avg"]}
+                                       for g in choice.grid]},
+            "sigmerge_wall_s_over_anchor": choice.record["wall_s"], "admitted_total": choice.record["total_admitted"],
+            "coords_total": choice.record["total_coords"], **rows,
+        }
+        plot_admitted(choice.record, Path(plot_dir) / f"{anchor}.png")
+    return out
 
 
 def _fresh_copy(model: nn.Module) -> nn.Module:

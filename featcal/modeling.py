@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -299,6 +299,19 @@ class atomic_file:
 def write_json(path: str | os.PathLike, data) -> None:
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def with_parameters_from(model: nn.Module, files: Sequence[str | os.PathLike]) -> nn.Module:
+    """`model` with the tensors of each safetensors file put in place (e.g. calibrated layers over
+    the merged backbone); a name the model lacks is an error naming the file."""
+    state = model.state_dict()
+    for path in files:
+        for name, value in load_file(path).items():
+            if name not in state:
+                raise ValueError(f"{path}: parameter {name!r} is not in the model")
+            state[name] = value
+    model.load_state_dict(state)
+    return model
 
 
 def save_multitask(

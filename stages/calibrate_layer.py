@@ -30,6 +30,14 @@ def main() -> None:
     parser.add_argument("--layer", type=int, required=True)
     parser.add_argument("--featcal-params", default="params.yaml",
                         help="file whose featcal.alpha/rho/ridge override params.yaml's (tune/best.yaml when tuned)")
+    parser.add_argument("--merged", required=True, help="the merged multi-task model folder")
+    parser.add_argument("--experts", required=True, help="folder of the experts, one sub-folder per task")
+    parser.add_argument("--features", required=True, help="the experts' cached states (inputs.zarr, layer_XX.zarr)")
+    parser.add_argument("--student-in", required=True,
+                        help="the student states entering the block (zarr; layer 0: the merged model, whose embeddings give them)")
+    parser.add_argument("--layer-out", required=True, help="where the calibrated block parameters are written")
+    parser.add_argument("--moments-out", required=True, help="where the block's moment sums (zarr) are written")
+    parser.add_argument("--student-out", required=True, help="where the student states entering block k+1 are written")
     args = parser.parse_args()
     k = args.layer
     setup_logging()
@@ -45,27 +53,27 @@ def main() -> None:
             tuned = get(load_params(args.featcal_params), "featcal")
             featcal.update({key: tuned[key] for key in HYPER_KEYS})
         config = FeatCalConfig.from_mapping(featcal)
-        batches = batches_from_arrays(read_group("features/experts/inputs.zarr"), batch_size)
+        batches = batches_from_arrays(read_group(f"{args.features}/inputs.zarr"), batch_size)
         batches = distributed.shard_batches({t: batches[t] for t in tasks})
 
         def states(path: str) -> dict:
             return distributed.shard_examples({t: v for t, v in read_group(path).items() if t in tasks}, batch_size)
 
-        student = None if k == 0 else states(f"calib/student/layer_{k:02d}.zarr")
+        student = None if k == 0 else states(args.student_in)
         out = calibrate_cached_layer(
-            k, "models/merged", get(params, "model.base"), {t: f"experts/{t}" for t in tasks}, batches, student,
-            lambda layer: states(f"features/experts/layer_{layer:02d}.zarr"), config,
+            k, args.merged, get(params, "model.base"), {t: f"{args.experts}/{t}" for t in tasks}, batches, student,
+            lambda layer: states(f"{args.features}/layer_{layer:02d}.zarr"), config,
             reduce_moments=distributed.AllReduceMoments(tasks), reduce_sums=distributed.all_reduce_sums,
         )
         student_next = distributed.gather_examples(out.student_next, batch_size)
         if distributed.is_main():
-            check_finite(out.parameters, f"refusing to write calib/layers/{name}.safetensors")
-            check_finite(student_next, f"refusing to write calib/student/layer_{k + 1:02d}.zarr")
-            with atomic_file(f"calib/layers/{name}.safetensors") as tmp:
+            check_finite(out.parameters, f"refusing to write {args.layer_out}")
+            check_finite(student_next, f"refusing to write {args.student_out}")
+            with atomic_file(args.layer_out) as tmp:
                 save_file(out.parameters, tmp)
             packed, layout = pack_moments(out.moments)
-            write_group(f"calib/moments/{name}.zarr", packed, {"layer": k, **layout})
-            write_group(f"calib/student/layer_{k + 1:02d}.zarr", student_next,
+            write_group(args.moments_out, packed, {"layer": k, **layout})
+            write_group(args.student_out, student_next,
                         {"layer": k + 1, "drift_l2": out.drift.l2, "drift_cosine": out.drift.cosine}, fmt=fmt)
     main_process, world = distributed.is_main(), distributed.world_size()
     distributed.shutdown()

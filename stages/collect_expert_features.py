@@ -26,7 +26,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--split", choices=["train", "test"], default="train",
                         help="train: the calibration sample; test: the drift examples (evaluate.drift_examples_per_task)")
-    parser.add_argument("--out", default="features/experts")
+    parser.add_argument("--experts", required=True, help="folder of the experts, one sub-folder per task")
+    parser.add_argument("--out", required=True, help="where the per-layer zarr caches are written")
     args = parser.parse_args()
     setup_logging()
     params = load_params()
@@ -43,7 +44,7 @@ def main() -> None:
         batches = calibration_batches(spec, load_tokenizer(get(params, "model.base")))
         if main_process:
             write_group(f"{out_dir}/inputs.zarr", batches_to_arrays(batches), {"tasks": tasks})
-        layers = collect_expert_layers({t: f"experts/{t}" for t in tasks}, distributed.shard_batches(batches))
+        layers = collect_expert_layers({t: f"{args.experts}/{t}" for t in tasks}, distributed.shard_batches(batches))
         for k, hidden in enumerate(tqdm(layers, desc="expert features", unit="layer", disable=not main_process)):
             hidden = distributed.gather_examples(hidden, spec.batch_size)
             if main_process:

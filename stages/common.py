@@ -22,7 +22,7 @@ from featcal.modeling import write_json  # noqa: E402
 from params_schema import ParamsError, validate, validate_tuned  # noqa: E402
 
 TIMING_DIR = Path("results/timing")
-TUNED_SECTIONS = {"featcal", "study"}   # tune/best.yaml, written by featcal.tune.write_best
+TUNED_SECTIONS = {"featcal", "study"}   # tune/best.yaml, written by featcal.tuning.write_best
 
 
 def load_params(path: str | os.PathLike = "params.yaml", *, check_chain: bool | None = None) -> dict:

@@ -6,56 +6,60 @@ Only the calibrated model is scored here; the merged model's scores and drift co
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
+from pathlib import Path
 
-import torch
 from common import TIMING_DIR, enabled_tasks, load_params, read_json, setup_logging, timed
 from evaluate_merged import evaluate_backbone
-from safetensors.torch import load_file
 
 from featcal.calibrate import LayerDrift
 from featcal.evaluate import drift_rows, gap_closed, summary
 from featcal.lazy import load_head
-from featcal.modeling import load_backbone, load_tokenizer, save_multitask, write_json
+from featcal.modeling import load_backbone, load_tokenizer, save_multitask, with_parameters_from, write_json
 from featcal.plots import plot_drift
 
 
-def assemble(merged: torch.nn.Module, layer_files: list[str]) -> torch.nn.Module:
-    """The merged backbone with every calibrated layer's parameters put in place."""
-    state = merged.state_dict()
-    for path in layer_files:
-        for name, value in load_file(path).items():
-            if name not in state:
-                raise SystemExit(f"{path}: parameter {name!r} is not in the merged model")
-            state[name] = value
-    merged.load_state_dict(state)
-    return merged
-
-
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--merged", required=True, help="the merged multi-task model folder")
+    parser.add_argument("--layers", required=True, help="folder of the calibrated layers (L*.safetensors)")
+    parser.add_argument("--experts", required=True, help="folder of the experts, one sub-folder per task")
+    parser.add_argument("--features", required=True, help="the experts' cached test states")
+    parser.add_argument("--merged-scores", required=True, help="evaluate-merged's JSON (scores and drift)")
+    parser.add_argument("--expert-scores", required=True, help="folder of finetune's <task>.json scores")
+    parser.add_argument("--out-model", required=True, help="where the calibrated multi-task model is written")
+    parser.add_argument("--metrics", required=True, help="where the metrics JSON is written")
+    parser.add_argument("--drift", required=True, help="where the per-layer drift JSON is written")
+    parser.add_argument("--drift-plot", required=True, help="where the drift plot (PNG) is written")
+    args = parser.parse_args()
     setup_logging()
     params = load_params()
     tasks = enabled_tasks(params)
     with timed("evaluate"):
-        calibrated = assemble(load_backbone("models/merged"), sorted(glob.glob("calib/layers/L*.safetensors")))
-        heads = {t: load_head(f"experts/{t}") for t in tasks}
-        save_multitask("models/featcal", calibrated, heads, load_tokenizer("models/merged"))
-        scores, drift = evaluate_backbone(calibrated, heads, params, "features/test")
-        merged = read_json("results/merged.json")
+        layer_files = sorted(glob.glob(f"{args.layers}/L*.safetensors"))
+        try:
+            calibrated = with_parameters_from(load_backbone(args.merged), layer_files)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        heads = {t: load_head(Path(args.experts) / t) for t in tasks}
+        save_multitask(args.out_model, calibrated, heads, load_tokenizer(args.merged))
+        scores, drift = evaluate_backbone(calibrated, heads, params, args.features, args.merged)
+        merged = read_json(args.merged_scores)
         metrics = {
             # the expert's test accuracy was measured by finetune@<task> on this same split
-            "experts": summary({t: read_json(f"results/experts/{t}.json")["test"] for t in tasks}),
+            "experts": summary({t: read_json(Path(args.expert_scores) / f"{t}.json")["test"] for t in tasks}),
             "merged": merged["test"],
             "featcal": summary(scores),
         }
         metrics["gap_closed"] = gap_closed(metrics["experts"]["avg"], metrics["merged"]["avg"], metrics["featcal"]["avg"])
-        write_json("results/metrics.json", metrics)
+        write_json(args.metrics, metrics)
         rows = drift_rows([LayerDrift(**d) for d in merged["drift"]], drift)
-        write_json("results/drift.json", rows)
-        plot_drift(rows, "results/plots/drift.png")
+        write_json(args.drift, rows)
+        plot_drift(rows, args.drift_plot)
     timing = {f.split("/")[-1][:-5]: read_json(f) for f in sorted(glob.glob(f"{TIMING_DIR}/*.json"))}
-    write_json("results/timing.json", timing)
+    write_json(TIMING_DIR.parent / "timing.json", timing)
     print(json.dumps(metrics, indent=2))
 
 

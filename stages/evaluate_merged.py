@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict
+from pathlib import Path
 
 from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
 
@@ -19,11 +20,11 @@ from featcal.modeling import load_backbone, load_tokenizer, write_json
 from featcal.store import read_group
 
 
-def evaluate_backbone(backbone, heads: dict, params: dict, features: str) -> tuple[dict, list]:
+def evaluate_backbone(backbone, heads: dict, params: dict, features: str, tokenizer_dir: str) -> tuple[dict, list]:
     """Test accuracy per task (`heads`: `load_head` models) and per-layer drift to the experts'
     cached test states."""
     tasks_dir, tasks = get(params, "tasks_dir"), list(heads)
-    tokenizer = load_tokenizer("models/merged")
+    tokenizer = load_tokenizer(tokenizer_dir)
     scores = score_backbone(backbone, heads, tokenizer, {t: read_split(tasks_dir, t, "test") for t in tasks},
                             {t: max_length(params, t) for t in tasks})
     inputs = read_group(f"{features}/inputs.zarr")
@@ -35,15 +36,17 @@ def evaluate_backbone(backbone, heads: dict, params: dict, features: str) -> tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--features", default="features/test", help="the experts' cached test states")
-    parser.add_argument("--out", default="results/merged.json")
+    parser.add_argument("--merged", required=True, help="the merged multi-task model folder")
+    parser.add_argument("--experts", required=True, help="folder of the experts, one sub-folder per task")
+    parser.add_argument("--features", required=True, help="the experts' cached test states")
+    parser.add_argument("--out", required=True, help="where the scores and drift (JSON) are written")
     args = parser.parse_args()
     setup_logging()
     params = load_params()
     tasks = enabled_tasks(params)
     with timed("evaluate-merged"):
-        heads = {t: load_head(f"experts/{t}") for t in tasks}
-        scores, drift = evaluate_backbone(load_backbone("models/merged"), heads, params, args.features)
+        heads = {t: load_head(Path(args.experts) / t) for t in tasks}
+        scores, drift = evaluate_backbone(load_backbone(args.merged), heads, params, args.features, args.merged)
         write_json(args.out, {"test": summary(scores), "drift": [asdict(d) for d in drift]})
     print(f"merged: test avg {summary(scores)['avg']:.4f}")
 

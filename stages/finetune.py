@@ -15,7 +15,10 @@ from featcal.train import FinetuneConfig, accuracy, finetune
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--task", required=True)
-    task = parser.parse_args().task
+    parser.add_argument("--out", required=True, help="where the expert's folder is written")
+    parser.add_argument("--scores", required=True, help="where its dev/test accuracy (JSON) is written")
+    args = parser.parse_args()
+    task = args.task
     setup_logging()
     params = load_params()
     tasks_dir = get(params, "tasks_dir")
@@ -38,11 +41,11 @@ def main() -> None:
             model = load_classifier(base_ref, num_labels=num_labels(tasks_dir, task))
             model = finetune(model, tokenizer, read_split(tasks_dir, task, "train"), config)
         scores = {s: accuracy(model, tokenizer, read_split(tasks_dir, task, s), length) for s in ("dev", "test")}
-        check_finite(model.state_dict(), f"refusing to write experts/{task}: the {'given' if existing else 'fine-tuned'} model")
-        with atomic_dir(f"experts/{task}") as tmp:
+        check_finite(model.state_dict(), f"refusing to write {args.out}: the {'given' if existing else 'fine-tuned'} model")
+        with atomic_dir(args.out) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-        write_json(f"results/experts/{task}.json", {"task": task, "source": existing or "finetuned", **scores})
+        write_json(args.scores, {"task": task, "source": existing or "finetuned", **scores})
     print(f"{task}: dev {scores['dev']:.3f} test {scores['test']:.3f}")
 
 

@@ -1,34 +1,91 @@
-"""DVC stage `tune@dev`: search FeatCal's α, ρ, λ with Optuna on the dev split (featcal.tune).
+"""DVC stage `tune@dev`: search FeatCal's α, ρ, λ with Optuna on the dev split (featcal.tuning).
 
-Brings the study (tune.storage, default sqlite tune/study.db) up to tune.n_trials, then writes the
-best values to tune/best.yaml (read by calibrate-layer@* when featcal.use_tuned: true), a summary to
-results/tune.json and, when the study lives in a server database, a sqlite snapshot in tune/study.db.
-More workers, on this or other machines: `featcal tune --storage URL --study-name NAME`.
+Brings the study (--storage, else $FEATCAL_TUNE_STORAGE, else tune.storage, else sqlite at
+--snapshot) up to tune.n_trials (or --n-trials), then writes the best values to --best (read by
+calibrate-layer@* when featcal.use_tuned: true), a summary to --summary and, when the study lives
+in a server database, a sqlite snapshot at --snapshot. More workers, on this or other machines,
+run this same script from the project root: `python stages/tune.py --storage URL --n-trials N`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
-from common import load_params, setup_logging, timed
+from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
 
-from featcal.tune import StudyMismatchError, StudyStorageError, add_arguments, run_cli
+from featcal.calibrate import FeatCalConfig
+from featcal.modeling import write_json
+from featcal.tuning import (
+    DEFAULT_STUDY, SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem, make_storage, tune,
+    write_best,
+)
+from featcal.tuning.study import snapshot_to_sqlite
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a total of trials)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
+    parser.add_argument("--params", default="params.yaml", help="params file (tasks, tokens, calibration, featcal, tune)")
+    parser.add_argument("--storage", help="SQLAlchemy URL of the study (default: tune.storage, else sqlite at --snapshot)")
+    parser.add_argument("--n-trials", type=positive_int, help="total trials wanted in the study (default: tune.n_trials)")
+    parser.add_argument("--study-name", help=f"study name (default: tune.study_name, else {DEFAULT_STUDY})")
+    parser.add_argument("--merged", default="models/merged", help="the merged multi-task model folder")
+    parser.add_argument("--experts", default="experts", help="folder of the experts, one sub-folder per task")
+    parser.add_argument("--features", default="features/experts", help="the experts' cached states (zarr)")
     parser.add_argument("--best", default="tune/best.yaml", help="where the best values are written")
     parser.add_argument("--summary", default="results/tune.json", help="where the study summary is written")
     parser.add_argument("--snapshot", default="tune/study.db", help="sqlite copy of a server-side study")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     setup_logging()
-    load_params(args.params)   # the whole params file checked before any model loads
+    params = load_params(args.params)   # the whole params file checked before any model loads
+    settings = get(params, "tune", {}) or {}
+    storage = (args.storage or os.environ.get("FEATCAL_TUNE_STORAGE") or settings.get("storage")
+               or f"sqlite:///{args.snapshot}")
+    study_name = args.study_name or settings.get("study_name", DEFAULT_STUDY)
+    n_trials = args.n_trials or int(settings.get("n_trials", 24))
+    base = FeatCalConfig.from_mapping(get(params, "featcal"))
+    space = SearchSpace.from_mapping(settings["search"]) if settings.get("search") else SearchSpace()
+    tasks = enabled_tasks(params)
     with timed("tune"):
         try:
-            run_cli(args, best_path=args.best, summary_path=args.summary, snapshot_path=args.snapshot)
-        except (StudyMismatchError, StudyStorageError) as err:
-            raise SystemExit(f"tune: {err}") from None
+            Path(args.snapshot).parent.mkdir(parents=True, exist_ok=True)
+            make_storage(storage)   # an empty or damaged study file fails here, before any model loads
+            problem = load_problem(base=get(params, "model.base"), tasks=tasks,
+                                   max_length={t: max_length(params, t) for t in tasks},
+                                   batch_size=int(get(params, "calibration.batch_size")), merged=args.merged,
+                                   experts_dir=args.experts, features=args.features,
+                                   tasks_dir=get(params, "tasks_dir"))
+            outcome = tune(problem, base, space, storage, study_name, n_trials, StudySettings(
+                seed=int(settings.get("seed", 0)), startup_trials=int(settings.get("startup_trials", 8)),
+                enqueue_defaults=bool(settings.get("enqueue_defaults", True)),
+                prune_after_layers=tuple(settings.get("prune_after_layers") or ()),
+                prune_startup_trials=int(settings.get("prune_startup_trials", 5))))
+        except (ValueError, KeyError, OSError, StudyMismatchError, StudyStorageError) as err:
+            # a bad input, said in one line (what, where, the fix) instead of a traceback
+            raise SystemExit(f"tune: error: {err.args[0] if isinstance(err, KeyError) and err.args else err}") from None
+        write_best(args.best, outcome.study, base)
+        write_json(args.summary, outcome.summary)
+        snapshot_to_sqlite(outcome.study, storage, args.snapshot)
+    best = outcome.summary.get("best", {})
+    print(f"study {outcome.study.study_name}: ran {len(outcome.ran)} new trials {outcome.ran}, "
+          f"{outcome.summary['trials']['complete']} complete; best trial {best.get('trial')} "
+          f"dev {best.get('dev_avg')} {best.get('params')}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from featcal.merging.adamerging import entropy, merged_tensors, task_logits
 from featcal.merging.sigmerge import SigMergeOptions, anchor_merge, sigmerge
 from featcal.signatures import block_index_of, pooled_block_outputs
 import test_families as tfm
-from conftest import batches_for, perturbed, tiny_bert
+from conftest import assert_same_state, batches_for, perturbed, tiny_bert
 from tiny_project import WORDS, make_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,6 +326,28 @@ def test_the_supplied_context_reads_train_data_only_and_adamerging_runs_on_it(tm
     assert all("labels" not in b for bs in context.batches.values() for b in bs)
     merged = cmp.merge(bench, "adamerging", {"steps": 2, "batches_per_step": 1}, context)
     assert set(read) == {"train"} and merged is not None and len(context.record["entropy_per_step"]) == 2
+
+
+def test_choose_on_dev_keeps_the_best_dev_candidate_and_reads_no_test_data(tmp_path, monkeypatch):
+    base, experts = models(layers=1, tasks="ab", scale=0.5)
+    write_tasks(tmp_path, experts)   # no test split exists: reading it would fail
+    tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(make_vocab(WORDS))})
+    bench = cmp.Workbench(base.bert, experts, tokenizer, str(tmp_path), {t: 12 for t in experts}, seed=0, batch_size=4)
+    read = []
+    real = featcal.data.read_split
+    monkeypatch.setattr(cmp.Workbench, "split", lambda self, t, s="test": read.append(s) or real(self.tasks_dir, t, s))
+    candidates = [{"scale": 0.0}, {"scale": 2.0}, {"scale": 1.0}, {"scale": -3.0}, {"scale": 2.0}]
+    choice = cmp.choose_on_dev(bench, "task_arithmetic", candidates)
+    expected = []
+    for options in candidates:   # each candidate merged and scored on dev independently
+        dev = cmp.score_backbone(bench, merge_models(base, experts, "task_arithmetic", options), split="dev")
+        expected.append(sum(dev.values()) / len(dev))
+    best = max(range(len(candidates)), key=lambda i: (expected[i], -i))   # the first of equal scores
+    assert best != 0 and len(set(expected)) > 1, expected                # a choice that the first would miss
+    assert set(read) == {"dev"}
+    assert choice.options == candidates[best] and choice.dev_avg == expected[best]
+    assert [g["dev_avg"] for g in choice.grid] == [round(v, 4) for v in expected]
+    assert_same_state(choice.merged, merge_models(base, experts, "task_arithmetic", candidates[best]))
 
 
 # --------------------------------------------------------------------------- SigMerge through the registry

@@ -2,7 +2,7 @@
 
 Through the real entry points: the stages' params loading (`stages/common.load_params`, what every
 stage runs first), `stages/prepare.py`, the Python API (`merge_models`, loading and saving models),
-the `featcal tune` CLI and the study plumbing, and — for what only a real pipeline shows — `dvc repro`
+the tune stage's command line and the study plumbing, and — for what only a real pipeline shows — `dvc repro`
 and `dvc exp run` on one shared tiny project: nothing is recorded in dvc.lock when a stage refuses.
 """
 
@@ -28,7 +28,8 @@ from optuna.trial import TrialState
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2Model, RobertaConfig, RobertaForSequenceClassification
 
-from featcal import cli, merge_models, tune
+from featcal import merge_models
+from featcal import tuning as tune
 from featcal.modeling import (ImplausibleExpertWarning, NonFiniteWeightsError, load_backbone, load_classifier,
                               save_multitask)
 from featcal.store import write_group
@@ -362,7 +363,7 @@ def test_temporary_folders_of_a_killed_writer_are_removed_by_the_next_write(tmp_
 
 KILLED_WORKER = textwrap.dedent("""
     import sys, time
-    from featcal import tune
+    from featcal import tuning as tune
     url = sys.argv[1]
     study = tune.open_study(url, "killed")
     def objective(trial):
@@ -390,32 +391,37 @@ def test_a_killed_workers_trial_is_never_counted_complete(tmp_path):
     assert ran == [2, 3] and sum(t.state == TrialState.COMPLETE for t in trials) == 3
 
 
+def tune_stage(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python stages/tune.py ARGS` (the DVC stage, and the command of more workers) run in `cwd`."""
+    return subprocess.run([sys.executable, str(ROOT / "stages/tune.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
 @pytest.mark.parametrize("content, says", [(b"", "is empty"), (b"\x00garbage" * 100, "not a sqlite database")])
-def test_empty_or_damaged_study_file_is_refused_naming_file_and_fix(tiny, tmp_path, capsys, content, says):
+def test_empty_or_damaged_study_file_is_refused_naming_file_and_fix(tiny, tmp_path, content, says):
     study = tmp_path / "tune/study.db"
     study.parent.mkdir()
     study.write_bytes(content)
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny.params))
-    code = cli.main(["tune", "--params", str(tmp_path / "params.yaml"), "--storage", f"sqlite:///{study}"])
-    err = capsys.readouterr().err
-    assert code == 2 and str(study) in err and says in err and "dvc checkout" in err and "delete it" in err
+    done = tune_stage("--params", "params.yaml", "--storage", f"sqlite:///{study}", cwd=tmp_path)
+    err = done.stderr
+    assert done.returncode != 0 and str(study) in err and says in err and "dvc checkout" in err and "delete it" in err
+    assert "Traceback" not in err
     assert study.read_bytes() == content                     # not replaced by a fresh study
 
 
-def test_cli_refuses_n_trials_below_one(capsys):
-    with pytest.raises(SystemExit) as err:
-        cli.main(["tune", "--n-trials", "-3"])
-    assert err.value.code == 2 and "--n-trials" in capsys.readouterr().err
+def test_tune_stage_refuses_n_trials_below_one(tmp_path):
+    done = tune_stage("--n-trials", "-3", cwd=tmp_path)
+    assert done.returncode == 2 and "--n-trials" in done.stderr
 
 
-def test_cli_refuses_a_password_in_tune_storage_before_loading_anything(tiny, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)                               # no models/, experts/ here: nothing is loaded
-    params = copy.deepcopy(tiny.params)
+def test_tune_stage_refuses_a_password_in_tune_storage_before_loading_anything(tiny, tmp_path):
+    params = copy.deepcopy(tiny.params)                       # no models/, experts/ here: nothing is loaded
     params["tune"]["storage"] = "postgresql://me:s3cret@db.example/featcal"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    assert cli.main(["tune", "--params", "params.yaml"]) == 2
-    err = capsys.readouterr().err
-    assert "tune.storage" in err and "~/.pgpass" in err and "s3cret" not in err
+    done = tune_stage("--params", "params.yaml", cwd=tmp_path)
+    err = done.stderr
+    assert done.returncode != 0 and "tune.storage" in err and "~/.pgpass" in err and "s3cret" not in err
     assert list(tmp_path.iterdir()) == [tmp_path / "params.yaml"]
 
 

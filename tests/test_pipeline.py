@@ -152,10 +152,15 @@ def test_stages_under_torchrun_give_the_one_process_weights_in_float64(project, 
     def run_stages(nproc: int) -> dict:
         params["parallel"]["nproc_per_node"] = nproc
         (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-        run([sys.executable, "stages/collect_expert_features.py", "--split", "train", "--out", "features/experts"], work)
+        run([sys.executable, "stages/collect_expert_features.py", "--split", "train", "--experts", "experts",
+             "--out", "features/experts"], work)
         state = {}
         for k in range(2):
-            out = run([sys.executable, "stages/calibrate_layer.py", "--layer", str(k)], work)
+            out = run([sys.executable, "stages/calibrate_layer.py", "--layer", str(k), "--merged", "models/merged",
+                       "--experts", "experts", "--features", "features/experts",
+                       "--student-in", "models/merged" if k == 0 else f"calib/student/layer_{k:02d}.zarr",
+                       "--layer-out", f"calib/layers/L{k:02d}.safetensors", "--moments-out", f"calib/moments/L{k:02d}.zarr",
+                       "--student-out", f"calib/student/layer_{k + 1:02d}.zarr"], work)
             state.update(load_file(work / f"calib/layers/L{k:02d}.safetensors"))
         return state, out
 

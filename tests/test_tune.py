@@ -3,6 +3,7 @@ and the tuned values reaching the calibrated model through `dvc repro`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,7 +20,8 @@ import yaml
 from optuna.trial import TrialState
 from safetensors.torch import load_file
 
-from featcal import tune
+from featcal import tuning as tune
+from featcal.tuning import objective
 from featcal.calibrate import FeatCalConfig
 from featcal.data import TaskSplit
 from conftest import DVC, copy_project, stages_run
@@ -68,8 +70,6 @@ def test_search_space_and_settings_are_validated():
                 {"alpha": {"lo": 0, "high": 1}}, {"alpha": 0.5}):
         with pytest.raises(ValueError):
             tune.SearchSpace.from_mapping(bad)
-    with pytest.raises(ValueError, match="unknown keys"):
-        tune.TuneSettings.from_mapping({"n_trails": 3})
     # the pipeline switch is not a FeatCal knob
     assert FeatCalConfig.from_mapping({"alpha": 0.3, "use_tuned": True}).alpha == 0.3
 
@@ -146,21 +146,30 @@ def test_second_run_adds_only_the_new_trials(project, monkeypatch):
 
     # in process, four trials in one go: the same trials (seeded per trial number); never the test split
     splits_read = []
-    real_read_split = tune.read_split
-    monkeypatch.setattr(tune, "read_split", lambda d, t, s: splits_read.append(s) or real_read_split(d, t, s))
+    real_read_split = objective.read_split
+    monkeypatch.setattr(objective, "read_split", lambda d, t, s: splits_read.append(s) or real_read_split(d, t, s))
     params = yaml.safe_load((project / "params.yaml").read_text())
-    tune.tune_from_params(params, storage=f"sqlite:///{project.parent / 'straight.db'}", root=project)
+    problem, base = problem_of(project, params), FeatCalConfig.from_mapping(params["featcal"])
+    straight = f"sqlite:///{project.parent / 'straight.db'}"
+    tune.tune(problem, base, tune.SearchSpace(), straight, "featcal-dev", 4, tune.StudySettings(startup_trials=2))
     assert set(splits_read) == {"dev"}
-    assert [(t.params, t.value) for t in trials_of(f"sqlite:///{project.parent / 'straight.db'}", "featcal-dev")] \
-        == [(t.params, t.value) for t in after]
+    assert [(t.params, t.value) for t in trials_of(straight, "featcal-dev")] == [(t.params, t.value) for t in after]
     # a study scored on other inputs is refused
-    params["featcal"]["pooled_token_weight"] = 0.5
     with pytest.raises(tune.StudyMismatchError):
-        tune.tune_from_params(params, storage=storage, root=project)
+        tune.tune(problem, dataclasses.replace(base, pooled_token_weight=0.5), tune.SearchSpace(), storage,
+                  "featcal-dev", 4)
 
     best = yaml.safe_load((project / "tune/best.yaml").read_text())
     study = optuna.load_study(study_name="featcal-dev", storage=storage)
     assert best["featcal"] == study.best_trial.params and best["study"]["best_trial"] == study.best_trial.number
+
+
+def problem_of(project: Path, params: dict) -> tune.TuneProblem:
+    """The tiny project's tuning problem, loaded the way stages/tune.py loads it."""
+    return tune.load_problem(
+        base=params["model"]["base"], tasks=["sentiment", "topic"], max_length={"sentiment": 16, "topic": 16},
+        batch_size=params["calibration"]["batch_size"], merged=project / "models/merged",
+        experts_dir=project / "experts", features=project / "features/experts", tasks_dir=project / "data/tasks")
 
 
 def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> None:
@@ -186,10 +195,7 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
     assert lock["stages"]["calibrate-layer@L01"]["params"]["tune/best.yaml"] == \
         {f"featcal.{k}": v for k, v in best["featcal"].items()}
     # the saved layers are exactly an in-process calibration with the best values, not the defaults
-    problem = tune.load_problem(
-        base=params["model"]["base"], tasks=["sentiment", "topic"], max_length={"sentiment": 16, "topic": 16},
-        batch_size=params["calibration"]["batch_size"], merged=project / "models/merged",
-        experts_dir=project / "experts", features=project / "features/experts", tasks_dir=project / "data/tasks")
+    problem = problem_of(project, params)
     defaults = FeatCalConfig.from_mapping(params["featcal"])
     assert_layers_equal(project, problem.calibrate(FeatCalConfig.from_mapping({**params["featcal"], **best["featcal"]}))
                         .state_dict())
@@ -208,8 +214,8 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
 
 @pytest.mark.slow
 def test_two_workers_share_one_postgres_study(project, postgres, tmp_path):
-    """Two `featcal tune` processes on one PostgreSQL study: every trial lands once, the total is exact."""
-    cmd = [sys.executable, "-m", "featcal.cli", "tune", "--storage", postgres.url, "--study-name", "shared",
+    """Two `stages/tune.py` worker processes on one PostgreSQL study: every trial lands once, the total is exact."""
+    cmd = [sys.executable, "stages/tune.py", "--storage", postgres.url, "--study-name", "shared",
            "--n-trials", "8"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     workers = [subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -238,7 +244,7 @@ def test_two_workers_share_one_postgres_study(project, postgres, tmp_path):
 WORKER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from featcal import tune
+    from featcal import tuning as tune
     url, name, go, ready = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
     study = tune.open_study(url, name)
     (ready / str(os.getpid())).touch()

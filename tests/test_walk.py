@@ -12,7 +12,7 @@ from featcal.families import family_for
 from featcal.layerwise import calibrate_cached_layer, collect_expert_layers
 from featcal.lazy import calibrate_lazy
 from featcal.store import StoreFormat, read_group, write_group
-from featcal.tune import TuneProblem
+from featcal.tuning import TuneProblem
 from featcal.walk import ModuleWeights, walk_all
 from conftest import batches_for, perturbed, save_models, tiny_bert
 

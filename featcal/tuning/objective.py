@@ -1,0 +1,268 @@
+"""The tuning objective: FeatCal's α, ρ, λ scored on the dev split of the calibrated model.
+
+A trial runs the whole forward-order calibration in this process from cached states: the experts'
+states entering every block (computed once, never re-run here) and the calibration token inputs.
+It then scores each task's dev split with that task's head on the calibrated backbone. Dev
+examples whose tokens also appear in the calibration sample are dropped from scoring; the test
+split is never read. Where the study lives and how trials are shared is `featcal.tuning.study`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import optuna
+import torch
+from optuna.trial import Trial
+from torch import Tensor, nn
+
+from featcal.calibrate import HYPER_KEYS, FeatCalConfig
+from featcal.data import TaskSplit, batches_from_arrays, read_split
+from featcal.evaluate import score_backbone
+from featcal.families import Family, family_for
+from featcal.modeling import load_backbone, load_classifier, load_tokenizer
+from featcal.store import read_group
+from featcal.walk import CachedExpertStates, ModuleWeights, walk_all
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Range:
+    low: float
+    high: float
+    log: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.low < self.high:
+            raise ValueError(f"range low {self.low} must be below high {self.high}")
+        if self.log and self.low <= 0:
+            raise ValueError(f"a log range needs low > 0, got {self.low}")
+
+    def __contains__(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+    @classmethod
+    def parse(cls, name: str, spec) -> "Range":
+        if isinstance(spec, Mapping):
+            bad = set(spec) - {"low", "high", "log"}
+            if bad:
+                raise ValueError(f"tune.search.{name}: unknown keys {sorted(bad)} (use low, high, log)")
+            return cls(float(spec["low"]), float(spec["high"]), bool(spec.get("log", False)))
+        if isinstance(spec, Sequence) and not isinstance(spec, str) and len(spec) == 2:
+            return cls(float(spec[0]), float(spec[1]))
+        raise ValueError(f"tune.search.{name}: expected [low, high] or {{low, high, log}}, got {spec!r}")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The hyperparameters searched and their ranges; the others keep their FeatCalConfig value."""
+
+    ranges: Mapping[str, Range] = field(default_factory=lambda: {
+        "alpha": Range(0.0, 1.0), "rho": Range(0.5, 3.0), "ridge": Range(1e-3, 1.0, log=True)})
+
+    def __post_init__(self) -> None:
+        bad = set(self.ranges) - set(HYPER_KEYS)
+        if bad:
+            raise ValueError(f"tune.search: unknown hyperparameters {sorted(bad)}; searchable: {list(HYPER_KEYS)}")
+        if not self.ranges:
+            raise ValueError("tune.search: nothing to search")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping) -> "SearchSpace":
+        return cls({k: Range.parse(k, v) for k, v in values.items()})
+
+    def suggest(self, trial: Trial) -> dict[str, float]:
+        return {k: trial.suggest_float(k, r.low, r.high, log=r.log) for k, r in self.ranges.items()}
+
+    def contains(self, values: Mapping[str, float]) -> bool:
+        return all(values[k] in r for k, r in self.ranges.items())
+
+
+# --- the problem a trial solves ----------------------------------------------------------------------
+
+
+@dataclass
+class DevSplit:
+    """A task's dev examples used for scoring (calibration look-alikes removed) and their length."""
+
+    split: TaskSplit
+    max_length: int
+    dropped: int = 0
+
+
+def drop_calibration_overlap(split: TaskSplit, tokenizer, max_length: int, input_ids: Tensor,
+                             attention_mask: Tensor) -> tuple[TaskSplit, int]:
+    """Remove examples whose token sequence is one of the calibration rows (real tokens only), so a
+    dev score never rewards fitting an example that calibration saw."""
+    seen = {tuple(ids[m.bool()].tolist()) for ids, m in zip(input_ids, attention_mask)}
+    encoded = tokenizer(split.texts, truncation=True, max_length=max_length)["input_ids"]
+    keep = [i for i, ids in enumerate(encoded) if tuple(ids) not in seen]
+    kept = TaskSplit(split.task, split.split, [split.texts[i] for i in keep], split.labels[keep])
+    return kept, len(split.texts) - len(keep)
+
+
+class TuneProblem:
+    """Everything a trial needs, loaded once: the merged backbone (never modified), the base, the
+    experts, the calibration batches, the experts' cached states per block and the dev splits."""
+
+    def __init__(
+        self,
+        merged: nn.Module,
+        base: nn.Module,
+        experts: Mapping[str, nn.Module],
+        batches: Mapping[str, list[dict[str, Tensor]]],
+        expert_states: Callable[[int], Mapping[str, Tensor]],
+        dev: Mapping[str, DevSplit],
+        tokenizer,
+        family: Family | None = None,
+    ):
+        self.family = family or family_for(merged)
+        self.merged = self.family.backbone(merged).eval()
+        self.base, self.experts, self.batches = base, dict(experts), dict(batches)
+        self.dev, self.tokenizer = dict(dev), tokenizer
+        missing = set(self.dev) - set(self.experts)
+        if missing:
+            raise KeyError(f"dev splits for tasks without an expert: {sorted(missing)}")
+        self._expert_states = expert_states
+        self._states: dict[int, Mapping[str, Tensor]] = {}
+        self.n_blocks = len(self.family.blocks(self.merged))
+        self.weights = ModuleWeights(self.family.backbone(base).eval(),
+                                     {t: self.family.backbone(m).eval() for t, m in self.experts.items()})
+        # scoring swaps backbones into copies of the task models; the experts stay untouched
+        self._scorers = {t: copy.deepcopy(self.experts[t]).eval() for t in self.dev}
+
+    def states(self, layer: int) -> Mapping[str, Tensor]:
+        if layer not in self._states:
+            self._states[layer] = self._expert_states(layer)
+        return self._states[layer]
+
+    def calibrate(self, config: FeatCalConfig, after_block: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
+        """A calibrated copy of the merged backbone: the walk, with the experts' states from the cache."""
+        backbone = copy.deepcopy(self.merged)
+
+        def on_block(k: int, _result) -> None:
+            if after_block is not None and k < self.n_blocks - 1:
+                after_block(k, backbone)
+
+        walk_all(self.family, backbone, self.weights, self.batches, config,
+                 expert_states=CachedExpertStates(self.states), on_block=on_block, progress=False)
+        return backbone
+
+    @torch.no_grad()
+    def score(self, backbone: nn.Module) -> dict[str, float]:
+        """Dev accuracy per task, each task's head on `backbone` (`featcal.evaluate.score_backbone`)."""
+        return score_backbone(backbone, self._scorers, self.tokenizer, {t: d.split for t, d in self.dev.items()},
+                              {t: d.max_length for t, d in self.dev.items()})
+
+    def fingerprint(self, config: FeatCalConfig, space: SearchSpace) -> str:
+        """A digest of what a trial's score depends on apart from the searched values: models,
+        cached states, calibration inputs, dev data and the fixed FeatCal settings."""
+        h = hashlib.blake2b(digest_size=20)
+
+        def tensor(t: Tensor) -> None:
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(np.ascontiguousarray(t.detach().cpu().numpy()).data)
+
+        def module(m: nn.Module) -> None:
+            for name, value in sorted(m.state_dict().items()):
+                h.update(name.encode())
+                tensor(value)
+
+        module(self.merged)
+        module(self.family.backbone(self.base))
+        for task in sorted(self.experts):
+            h.update(task.encode())
+            module(self.experts[task])
+            for batch in self.batches[task]:
+                for key in sorted(batch):
+                    tensor(batch[key])
+        for layer in range(self.n_blocks + (1 if config.calibrate_pooler else 0)):
+            for task, value in sorted(self.states(layer).items()):
+                h.update(f"{layer}/{task}".encode())
+                tensor(value)
+        for task, d in sorted(self.dev.items()):
+            h.update(f"{task}/{d.max_length}/{len(d.split.texts)}".encode())
+            h.update("\0".join(d.split.texts).encode())
+            tensor(d.split.labels)
+        fixed = {k: v for k, v in dataclasses.asdict(config).items() if k not in space.ranges}
+        h.update(repr(sorted(fixed.items())).encode())
+        return h.hexdigest()
+
+
+def load_problem(
+    *, base: str, tasks: Sequence[str], max_length: Mapping[str, int], batch_size: int,
+    merged: str | os.PathLike, experts_dir: str | os.PathLike, features: str | os.PathLike,
+    tasks_dir: str | os.PathLike,
+) -> TuneProblem:
+    """Load a problem from files: `merged` (multi-task folder), `experts_dir/<task>`, the
+    expert-feature caches `features/{inputs,layer_XX}.zarr` and `tasks_dir/<task>/dev.parquet`."""
+    features = Path(features)
+    tokenizer = load_tokenizer(str(merged))
+    inputs = read_group(features / "inputs.zarr")
+    batches = batches_from_arrays(inputs, batch_size)
+    missing = set(tasks) - set(batches)
+    if missing:
+        raise KeyError(f"{features / 'inputs.zarr'} has no calibration inputs for {sorted(missing)}")
+    batches = {t: batches[t] for t in tasks}
+    dev = {}
+    for task in tasks:
+        split, dropped = drop_calibration_overlap(read_split(tasks_dir, task, "dev"), tokenizer, max_length[task],
+                                                  inputs[f"input_ids/{task}"], inputs[f"attention_mask/{task}"])
+        if not split.texts:
+            raise ValueError(f"task {task!r}: every dev example is also in the calibration sample")
+        if dropped:
+            log.warning("task %s: %d dev examples also in the calibration sample are not scored", task, dropped)
+        dev[task] = DevSplit(split, max_length[task], dropped)
+
+    def expert_states(layer: int) -> dict[str, Tensor]:
+        states = read_group(features / f"layer_{layer:02d}.zarr")
+        return {t: states[t] for t in tasks}
+
+    return TuneProblem(load_backbone(str(merged)), load_backbone(base),
+                       {t: load_classifier(str(Path(experts_dir) / t)) for t in tasks},
+                       batches, expert_states, dev, tokenizer)
+
+
+# --- the objective -------------------------------------------------------------------------------------
+
+
+def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig,
+                   prune_after: Sequence[int] = ()) -> Callable[[Trial], float]:
+    """Objective: mean dev accuracy over tasks of the model calibrated with the trial's values.
+
+    With `prune_after` (block indices), the partly calibrated model (blocks 0..k calibrated, the
+    rest merged) is scored after each listed block and reported, so a pruner may stop the trial.
+    """
+    def objective(trial: Trial) -> float:
+        values = space.suggest(trial)
+        config = dataclasses.replace(base, **values)
+
+        def after_block(k: int, backbone: nn.Module) -> None:
+            if k in prune_after:
+                partial = statistics.fmean(problem.score(backbone).values())
+                trial.report(partial, k)
+                if trial.should_prune():
+                    raise optuna.TrialPruned(f"dev {partial:.4f} after block {k}")
+
+        start = time.perf_counter()
+        backbone = problem.calibrate(config, after_block if prune_after else None)
+        trial.set_user_attr("calibrate_s", round(time.perf_counter() - start, 3))
+        start = time.perf_counter()
+        scores = problem.score(backbone)
+        trial.set_user_attr("score_s", round(time.perf_counter() - start, 3))
+        trial.set_user_attr("dev", {t: round(v, 6) for t, v in scores.items()})
+        return statistics.fmean(scores.values())
+
+    return objective
+
+
