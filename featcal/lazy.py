@@ -385,6 +385,18 @@ class LazyWeights:
                 streams[task] = [family.enter(expert, b) for b in task_batches]
         return streams
 
+    @torch.no_grad()
+    def expert_head_features(self, family: Family, streams) -> dict[str, list[Tensor]]:
+        """Each expert's non-block tensors only while its own features are taken (one expert at a time)."""
+        out = {}
+        for task, task_streams in streams.items():
+            if not task_streams:
+                out[task] = []
+                continue
+            with self.experts[task].loaded(self.outer) as expert:
+                out[task] = [family.head_features(expert, s) for s in task_streams]
+        return out
+
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
