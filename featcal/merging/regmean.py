@@ -291,7 +291,8 @@ def pre_block_names(family: Family, backbone: nn.Module, batch: Mapping[str, Ten
 
 
 @torch.no_grad()
-def _write(backbone: nn.Module, values: Mapping[str, Tensor]) -> None:
+def write_into(backbone: nn.Module, values: Mapping[str, Tensor]) -> None:
+    """Copy `values` into the backbone's (real) tensors of those names, cast to their dtypes."""
     state = backbone.state_dict(keep_vars=True)
     for name, value in values.items():
         state[name].data.copy_(value.to(state[name].dtype))
@@ -320,7 +321,7 @@ def regmean_plus_plus(
     out = dict(base)
     pre = sorted(pre_block_names(family, merged, next(iter(batches.values()))[0]) & set(base))
     out.update({name: mean[name] for name in pre})
-    _write(merged, {name: out[name] for name in pre})
+    write_into(merged, {name: out[name] for name in pre})
     solves = walk_regmean(family, context.base, ModuleWeights(context.base, backbones),
                           enter_streams(family, merged, batches), tasks, opts.off_diagonal,
                           lambda tensors: _update(out, tensors), merged=merged)
