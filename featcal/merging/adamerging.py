@@ -22,10 +22,10 @@ built once per step, and every block k replaced by a checkpointed call
 (``torch.utils.checkpoint``) that builds θ_k(λ) from ``vectors.read`` (θ₀_k and the stacked τ_k)
 and runs the block on it; backward recomputes it. ``vectors`` says where θ₀ and τ come from:
 ``HeldTaskVectors`` (in memory, this registry function) or ``featcal.lazy.CheckpointTaskVectors``
-(read per call from the checkpoints). Both run the same operations, so they give the same λ and
-the same merge, bit for bit.
+(read per call from the checkpoints). Both run the same operations in the same order, so they give
+the same λ and the same merge (bit for bit in ``tests/test_lazy.py``).
 
-Memory. In memory: the models, θ₀ and the T task vectors (as before), plus per step the saved
+Memory. In memory: the models, θ₀ and the T task vectors, plus per step the saved
 block inputs of every forward and one block's intermediates at a time (the checkpoint drops the
 rest). Through ``lazy_merge``: θ₀'s and the T task vectors' non-block tensors (embeddings, norms,
 pooler) for the whole run; one block's θ₀_k, T expert tensors, τ_k and θ_k(λ) at a time, read

@@ -29,10 +29,11 @@ weights: ``walk.ModuleWeights`` (the registry functions below, models in memory)
 merged tensors are computed from the expert blocks the weights hold (linears solved, the rest
 averaged in the compute dtype) and handed to an ``emit`` callback.
 
-Memory. In memory: the models, plus one block's Gram sums (float64, per linear and task) and its
-streams. Through ``lazy_merge``: one block of every expert at a time (each expert's non-block
-tensors only while its own stream enters or its head features are taken), one block's Grams, the
-streams (every task's batches at one block boundary), and for RegMean++ the merged model M's
+Memory. In memory: the models (RegMean++ also a copy M of the base backbone), plus one block's
+Gram sums (float64, per linear and task) and the streams (every task's batches at one block
+boundary). Through ``lazy_merge``: one block of every expert at a time (each expert's non-block
+tensors only while its own stream enters or its head features are taken; RegMean's pooler dense of
+every expert at once, last), one block's Grams, the streams, and for RegMean++ the merged model M's
 non-block tensors (its blocks are swapped in one at a time while they run).
 """
 
