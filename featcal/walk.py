@@ -63,6 +63,9 @@ class BlockWeights(Protocol):
     def enter_experts(self, family: Family, batches: Batches) -> Streams:
         """Each expert's own stream entering block 0 on its task's batches."""
 
+    def expert_head_features(self, family: Family, streams: Streams) -> dict[str, list[Tensor]]:
+        """Each expert's head features (`family.head_features`) of its task's streams after the last block."""
+
     def on(self, device: torch.device) -> ContextManager[None]:
         """Inside the block, the weights a step gets are on `device`."""
 
@@ -82,6 +85,10 @@ class ModuleWeights:
 
     def enter_experts(self, family: Family, batches: Batches) -> Streams:
         return {t: [family.enter(self.experts[t], b) for b in bs] for t, bs in batches.items()}
+
+    @torch.no_grad()
+    def expert_head_features(self, family: Family, streams: Streams) -> dict[str, list[Tensor]]:
+        return {t: [family.head_features(self.experts[t], s) for s in ss] for t, ss in streams.items()}
 
     @contextlib.contextmanager
     def on(self, device: torch.device) -> Iterator[None]:

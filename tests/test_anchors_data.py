@@ -402,13 +402,21 @@ def test_a_data_method_without_its_context_fails_naming_the_method_and_what_is_m
         merge_models(base, experts, "regmean", None, MergeContext(batches={"a": batches_for("a")["a"]}))
 
 
-def test_only_tensor_by_tensor_methods_stream_and_lazy_merge_refuses_the_rest(tmp_path):
+def test_only_tensor_by_tensor_methods_stream_without_context_and_lazy_merge_names_what_a_data_method_lacks(tmp_path):
     assert streams("ties", {"scope": "tensor"}) and streams("wudi", None) and streams("dare", {"then": "ties"})
     assert not streams("ties", {"scope": "model"}) and not streams("dare", {"then": "ties", "scope": "model"})
     for method in ("regmean", "regmean_plus_plus", "adamerging", "sigmerge"):
         assert not streams(method, None)
-    with pytest.raises(ValueError, match="'regmean' needs activations"):
-        lazy_merge(tmp_path, [tmp_path], "regmean", None, tmp_path / "out")
+    # lazy_merge fills the models (base, experts, family) itself: only the batches are missing, and
+    # it says so before reading anything (tmp_path is no checkpoint)
+    for method in ("regmean", "regmean_plus_plus", "adamerging"):
+        with pytest.raises(ValueError, match=rf"'{method}' needs context that was not given: activations \([^;]*: batches\)"):
+            lazy_merge(tmp_path, {"a": tmp_path}, method, None, tmp_path / "out")
+    with pytest.raises(ValueError, match="'sigmerge' needs dev_scores, shared_examples .*which lazy_merge does not supply"):
+        lazy_merge(tmp_path, {"a": tmp_path}, "sigmerge", None, tmp_path / "out")
+    with pytest.raises(ValueError, match="expert_dirs must map each task to its folder"):
+        lazy_merge(tmp_path, [tmp_path], "regmean", None, tmp_path / "out", context=MergeContext(batches={"a": []}))
+    assert not (tmp_path / "out").exists()
 
 
 def test_params_accept_data_options_for_data_methods_only():

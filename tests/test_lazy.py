@@ -9,9 +9,17 @@ import torch
 from transformers import AutoModel
 
 import featcal.walk as walk_module
-from featcal import merge_models
+from featcal import MergeContext, merge_models
 from featcal.calibrate import FeatCalConfig, calibrate
-from featcal.lazy import CheckpointReader, LazyBackbone, block_group, calibrate_lazy, lazy_merge, parse_size
+from featcal.lazy import (
+    CheckpointReader,
+    CheckpointTaskVectors,
+    LazyBackbone,
+    block_group,
+    calibrate_lazy,
+    lazy_merge,
+    parse_size,
+)
 from conftest import assert_same_state, batches_for, perturbed, tiny_bert
 
 
@@ -177,3 +185,119 @@ def test_lazy_merge_warns_about_an_expert_that_is_no_fine_tune_of_the_base(setup
     with pytest.warns(ImplausibleExpertWarning, match=r"random': its task vector is \d\.\d\d times") as caught:
         lazy_merge(setup["root"] / "base", experts, "task_arithmetic", {}, tmp_path / "merged", progress=False)
     assert not any("fine_tune" in str(w.message) for w in caught)
+
+
+# --- data methods (RegMean, RegMean++, AdaMerging) through lazy_merge ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def data_setup(tmp_path_factory):
+    """A tiny BERT and fine-tune sized experts with their own heads; the base saved as one file and
+    sharded, the experts as sharded task models (keys under "bert.", heads beside them)."""
+    root = tmp_path_factory.mktemp("lazy_data")
+    base = tiny_bert(layers=2)
+    experts = {t: perturbed(base, i + 1, scale=0.008, num_labels=2 + i) for i, t in enumerate("abc")}
+    base.save_pretrained(root / "base")
+    base.save_pretrained(root / "base_sharded", max_shard_size="20KB")
+    for t, m in experts.items():
+        m.save_pretrained(root / t, max_shard_size="20KB")
+    return dict(root=root, base=base, experts=experts, dirs={t: root / t for t in experts})
+
+
+DATA_METHODS = [
+    ("regmean", {"off_diagonal": 0.9}),
+    ("regmean_plus_plus", None),
+    ("adamerging", {"steps": 3, "lr": 0.05, "batches_per_step": 1, "seed": 2}),
+]
+
+
+@pytest.mark.parametrize("base_name", ["base", "base_sharded"])
+@pytest.mark.parametrize("method, options", DATA_METHODS)
+def test_lazy_data_merge_equals_merge_models_with_the_same_context(data_setup, tmp_path, method, options, base_name):
+    base, experts, root = data_setup["base"], data_setup["experts"], data_setup["root"]
+    batches = batches_for(experts, seed=4)
+    memory = MergeContext(batches=batches)
+    expected = merge_models(base, experts, method, options, memory).state_dict()
+    lazy = MergeContext(batches=batches)
+    out = lazy_merge(root / base_name, data_setup["dirs"], method, options, tmp_path / "merged",
+                     max_shard_size="30KB", progress=False, context=lazy)
+    assert (out / "model.safetensors.index.json").exists() and (out / "config.json").exists()
+    loaded = AutoModel.from_pretrained(out).eval().state_dict()
+    assert list(loaded) == list(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=1e-6, msg=name)
+    assert lazy.record == memory.record   # the same solves, pre-block / kept lists, λ and entropy curve
+    # the models lazy_merge put in the context are skeletons: no backbone tensor was loaded whole
+    assert all(p.device.type == "meta" for p in lazy.base.parameters())
+    assert all(p.device.type == "meta" for m in lazy.experts.values() for p in m.bert.parameters())
+    mean = {n: torch.stack([e.bert.state_dict()[n] for e in experts.values()]).mean(0) for n in expected}
+    assert not torch.allclose(expected["encoder.layer.1.attention.self.query.weight"],
+                              mean["encoder.layer.1.attention.self.query.weight"])   # not a plain average
+
+
+def test_lazy_regmean_holds_one_block_of_each_expert_at_a_time(data_setup, tmp_path, monkeypatch):
+    """Every load and release of the experts' lazy backbones, replayed: at no moment does an expert
+    hold two blocks; its non-block tensors are loaded for one expert at a time (its stream enters,
+    its head features are taken) while no block is, except the pooler, which RegMean solves last
+    from every expert's at once."""
+    live: dict[str, set[str]] = {}   # expert folder -> parameter names loaded now
+    peaks = {"blocks": 0, "experts_with_a_block": 0, "experts_outside": 0, "poolers": 0}
+    order = []
+    expert_dirs = {str(d) for d in data_setup["dirs"].values()}
+    real_load, real_release = LazyBackbone.load, LazyBackbone.release
+
+    def check():
+        blocks = {k: {block_group(n) for n in names if n.startswith("encoder.layer.")} for k, names in live.items()}
+        outer = {k: {n for n in names if not n.startswith("encoder.layer.")} for k, names in live.items()}
+        outside = [k for k, names in outer.items() if any(not n.startswith("pooler.") for n in names)]
+        poolers = [k for k, names in outer.items() if names and all(n.startswith("pooler.") for n in names)]
+        assert all(len(b) <= 1 for b in blocks.values()), blocks
+        assert len(outside) <= 1 and not (outside and poolers), (outside, poolers)
+        assert not (any(outer.values()) and any(blocks.values())), (outer, blocks)
+        peaks["blocks"] = max(peaks["blocks"], max((len(b) for b in blocks.values()), default=0))
+        peaks["experts_with_a_block"] = max(peaks["experts_with_a_block"], sum(1 for b in blocks.values() if b))
+        peaks["experts_outside"] = max(peaks["experts_outside"], len(outside))
+        peaks["poolers"] = max(peaks["poolers"], len(poolers))
+        for b in blocks.values():
+            if b and (not order or order[-1] != next(iter(b))):
+                order.append(next(iter(b)))
+
+    def load(self, names):
+        loaded = real_load(self, names)
+        if str(self.reader.path) in expert_dirs:
+            live.setdefault(str(self.reader.path), set()).update(loaded)
+            check()
+        return loaded
+
+    def release(self, names):
+        real_release(self, names)
+        if str(self.reader.path) in expert_dirs:
+            live[str(self.reader.path)] -= set(names)
+
+    monkeypatch.setattr(LazyBackbone, "load", load)
+    monkeypatch.setattr(LazyBackbone, "release", release)
+    for method in ("regmean", "regmean_plus_plus"):
+        order.clear()
+        lazy_merge(data_setup["root"] / "base", data_setup["dirs"], method, None, tmp_path / method, progress=False,
+                   context=MergeContext(batches=batches_for("abc")))
+        assert order == ["encoder.layer.0", "encoder.layer.1"]   # forward order, each block once
+        assert not any(live.values())   # everything released at the end
+    assert peaks == {"blocks": 1, "experts_with_a_block": 3, "experts_outside": 1, "poolers": 3}
+
+
+def test_lazy_adamerging_reads_one_block_at_a_time(data_setup, tmp_path, monkeypatch):
+    """After the non-block tensors (read once, held), every read of θ₀ and the task vectors is one
+    block's: at each block call of each forward and again in its recompute, then for the output."""
+    reads = []
+    real = CheckpointTaskVectors.read
+    monkeypatch.setattr(CheckpointTaskVectors, "read", lambda self, names: reads.append(list(names)) or real(self, names))
+    steps, tasks = 2, "abc"
+    lazy_merge(data_setup["root"] / "base", data_setup["dirs"], "adamerging",
+               {"steps": steps, "batches_per_step": 1}, tmp_path / "out", progress=False,
+               context=MergeContext(batches=batches_for(tasks)))
+    groups = [{block_group(n) for n in names} for names in reads]
+    assert not any(n.startswith("encoder.layer.") for n in reads[0])   # the non-block tensors, once
+    in_blocks = [g for g in groups[1:] if all(x.startswith("encoder.layer.") for x in g)]
+    assert all(len(g) == 1 for g in in_blocks)
+    # per step, task and block: the forward and the recompute; then one read per block for the output
+    assert len(in_blocks) == steps * len(tasks) * 2 * 2 + 2

@@ -10,7 +10,9 @@ A merge method is a function ``fn(base, experts, opts) -> merged`` over *backbon
   holding them; one without needs never sees a context (it stays a pure tensor function).
 - ``whole_model``: whether, for given options, it needs every tensor at once (TIES trimming over
   the whole model). A method without needs and not whole-model acts tensor group by tensor group,
-  so ``featcal.lazy.lazy_merge`` can stream it (``MergeMethod.streams``).
+  so ``featcal.lazy.lazy_merge`` can stream it without a context (``MergeMethod.streams``); of the
+  data methods, lazy_merge streams RegMean, RegMean++ and AdaMerging given a context
+  (``featcal.lazy.DATA_MERGES``).
 - ``report``: an optional writer of the method's figures from its record (SigMerge's heat map).
 
 Adding a method is one ``@register("name", OptionsCls, ...)`` line on that function; no method
@@ -211,18 +213,21 @@ def split_options(method: str, options: Mapping[str, Any] | None) -> tuple[dict[
     return options, data
 
 
-def check_context(method: str, context: MergeContext | None) -> MergeContext:
-    """The context of a data method, or ValueError naming the method, each missing need and its fields."""
+def check_context(method: str, context: MergeContext | None, filled: Sequence[str] = ()) -> MergeContext:
+    """The context of a data method, or ValueError naming the method, each missing need and its fields.
+
+    ``filled``: fields the caller fills itself afterwards (a driver's models), not required yet.
+    """
     spec = get_method(method)
     context = context if context is not None else MergeContext()
-    missing = context.missing(sorted(spec.needs))
+    missing = [f for f in context.missing(sorted(spec.needs)) if f not in filled]
     if missing:
         needs = [f"{n} ({NEEDS[n].description}: {', '.join(f for f in NEEDS[n].fields if f in missing)})"
                  for n in sorted(spec.needs) if any(f in missing for f in NEEDS[n].fields)]
         raise ValueError(
             f"merge method {method!r} needs context that was not given: {'; '.join(needs)}. Pass "
-            "context=MergeContext(...) to featcal.merge_models (it fills base, experts and family) "
-            "or merge_state_dicts"
+            "context=MergeContext(...) to featcal.merge_models or featcal.lazy.lazy_merge (they fill base, "
+            "experts and family) or merge_state_dicts"
         )
     return context
 

@@ -23,13 +23,25 @@ The mean (not the sum) gives every task equal weight whatever its token count.
 
 Activations come from the project's machinery: the family's streams, ``calibrate.run_capturing``
 (block forward with input capture), ``moments.LinearMoments`` (float64 sums) and the forward-order
-loop ``walk.walk_blocks`` over ``walk.ModuleWeights``.
+loop ``walk.walk_blocks``. ``walk_regmean`` is that walk for both methods, whatever holds the
+weights: ``walk.ModuleWeights`` (the registry functions below, models in memory) or
+``lazy.LazyWeights`` (``featcal.lazy.lazy_merge``, checkpoints read block by block). A block's
+merged tensors are computed from the expert blocks the weights hold (linears solved, the rest
+averaged in the compute dtype) and handed to an ``emit`` callback.
+
+Memory. In memory: the models (RegMean++ also a copy M of the base backbone), plus one block's
+Gram sums (float64, per linear and task) and the streams (every task's batches at one block
+boundary). Through ``lazy_merge``: one block of every expert at a time (each expert's non-block
+tensors only while its own stream enters or its head features are taken; RegMean's pooler dense of
+every expert at once, last), one block's Grams, the streams, and for RegMean++ the merged model M's
+non-block tensors (its blocks are swapped in one at a time while they run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +50,10 @@ from torch import Tensor, nn
 from featcal.calibrate import enter_streams, run_capturing
 from featcal.families import Family, module_kind
 from featcal.merging.dense import _check_real
-from featcal.merging.registry import MergeContext, StateDict, register
+from featcal.merging.registry import MergeContext, StateDict, compute_dtype, register
 from featcal.moments import LinearMoments, gram_of
 from featcal.solve import spd_solve
-from featcal.walk import ModuleWeights, Streams, walk_blocks
+from featcal.walk import BlockWeights, ModuleWeights, Streams, walk_blocks
 
 Grams = dict[str, dict[str, LinearMoments]]  # module -> task -> moment sums
 
@@ -123,19 +135,93 @@ def block_grams(
     return grams, out
 
 
-def merge_linears(
-    prefix: str, grams: Grams, tasks: Sequence[str], experts: Sequence[StateDict], a: float,
-    out: StateDict, solves: list[dict],
-) -> None:
-    """Write W_M of every module in `grams` into `out` (names `prefix + module + ".weight"`)."""
+def merge_module(
+    scope: str, experts: Mapping[str, nn.Module], tasks: Sequence[str], grams: Grams, a: float, solves: list[dict],
+) -> StateDict:
+    """The merged tensors of the backbone submodule `scope` (a block, or the pooler dense) from the
+    experts' copies of it: every floating tensor the mean of the experts' (in the compute dtype, as
+    ``merge_state_dicts`` upcasts), then W_M for each Linear in `grams` (keyed by backbone module
+    name). Names are the backbone's (`scope` + "." + name inside)."""
+    states = [experts[t].get_submodule(scope).state_dict(prefix=scope + ".") for t in tasks]
+    out: StateDict = {}
+    for name, ref in states[0].items():
+        if ref.is_floating_point():
+            dtype = compute_dtype(*(state[name].dtype for state in states))
+            out[name] = torch.stack([state[name].to(dtype) for state in states]).mean(dim=0)
     for module, per_task in grams.items():
-        name = f"{prefix}{module}.weight"
+        name = f"{module}.weight"
         missing = [t for t in tasks if t not in per_task]
         if missing:
             raise ValueError(f"regmean: module {name!r} saw no rows of tasks {missing}")
-        weight, solver = regmean_weight([per_task[t].gram for t in tasks], [e[name] for e in experts], a, name)
+        weight, solver = regmean_weight([per_task[t].gram for t in tasks], [state[name] for state in states], a, name)
         out[name] = weight.to(out[name].dtype)
         solves.append({"module": name, "solver": solver})
+    return out
+
+
+@contextlib.contextmanager
+def holding(module: nn.Module, values: Mapping[str, Tensor]) -> Iterator[nn.Module]:
+    """`module` with its named tensors replaced by `values` (cast to their dtypes) inside the block,
+    the previous ones (real or on the meta device) back after it."""
+    previous = []
+    try:
+        for name, value in values.items():
+            owner, _, leaf = name.rpartition(".")
+            sub = module.get_submodule(owner)
+            where = sub._parameters if leaf in sub._parameters else sub._buffers
+            old = where[leaf]
+            previous.append((where, leaf, old))
+            value = value.detach().to(old.dtype)
+            where[leaf] = nn.Parameter(value, requires_grad=False) if isinstance(old, nn.Parameter) else value
+        yield module
+    finally:
+        for where, leaf, old in reversed(previous):
+            where[leaf] = old
+
+
+Emit = Callable[[StateDict], None]
+
+
+def walk_regmean(
+    family: Family, like: nn.Module, weights: BlockWeights, streams: Streams, tasks: Sequence[str], a: float,
+    emit: Emit, merged: nn.Module | None = None,
+) -> list[dict]:
+    """RegMean's walk (`merged` None) or RegMean++'s (`merged`: the model M, holding θ₀ with the
+    averaged pre-block tensors), over blocks in forward order, wherever `weights` read them from.
+
+    `streams`: per task, the streams entering block 0 (each expert's own for RegMean, M's for
+    RegMean++). Block k: each expert's block k runs on its task's streams, capturing its linears'
+    inputs (``block_grams``); the block's merged tensors (``merge_module``) go to `emit`; the streams
+    entering block k+1 are each expert's own output (RegMean) or M's block k, holding the merged
+    tensors, run on the streams (RegMean++). RegMean then solves the pooler dense (when the family
+    has one) on each expert's head features (``weights.expert_head_features``). `like` is a backbone
+    of the experts' shape (block prefixes, the pooler). Returns the solves (module, solver).
+    """
+    solves: list[dict] = []
+
+    def step(index: int, _base: nn.Module, expert_bbs: dict[str, nn.Module], streams: Streams) -> Streams:
+        scope = family.block_prefix(like, index)[:-1]
+        grams, after = block_grams(family, index, expert_bbs, streams)
+        tensors = merge_module(scope, expert_bbs, tasks, {f"{scope}.{m}": g for m, g in grams.items()}, a, solves)
+        emit(tensors)
+        if merged is None:
+            return after
+        with holding(merged, tensors):
+            return {t: [family.run_block(merged, index, s) for s in ss] for t, ss in streams.items()}
+
+    final = walk_blocks(weights, streams, step, n_blocks=len(family.blocks(like)), progress=False)
+    pooler = family.pooler(like)
+    if merged is None and pooler is not None:   # it reads the pooled token of the last block's output
+        from featcal.lazy import module_prefix   # featcal.lazy imports the merging package
+
+        scope = module_prefix(like, pooler)[:-1]
+        grams: Grams = {scope: {t: LinearMoments() for t in tasks}}
+        for task, features in weights.expert_head_features(family, final).items():
+            for rows in features:
+                grams[scope][task].merge(gram_sums(rows))
+        with weights.pooler() as (_, expert_bbs):
+            emit(merge_module(scope, expert_bbs, tasks, grams, a, solves))
+    return solves
 
 
 def check_batches(method: str, context: MergeContext) -> dict[str, Sequence[Mapping[str, Tensor]]]:
@@ -162,33 +248,27 @@ def _summary(solves: list[dict]) -> dict:
 
 @register("regmean", RegMeanOptions, needs=("activations",))
 def regmean(base: StateDict, experts: Sequence[StateDict], opts: RegMeanOptions, context: MergeContext) -> StateDict:
-    """Linear weights by W_M = (Σ W_i G̃_i)(Σ G̃_i)⁻¹ with each expert's own Grams; the rest averaged."""
-    family, tasks = context.family, list(context.experts)
+    """Linear weights by W_M = (Σ W_i G̃_i)(Σ G̃_i)⁻¹ with each expert's own Grams; the rest averaged.
+
+    The blocks and the pooler are merged from the context's expert models (``walk_regmean``); the
+    other tensors are the mean of the expert state dicts."""
+    tasks = list(context.experts)
     batches = check_batches("regmean", context)
-    backbones = {t: family.backbone(m).eval() for t, m in context.experts.items()}
+    backbones = {t: context.family.backbone(m).eval() for t, m in context.experts.items()}
     weights = ModuleWeights(context.base, backbones)
     out = mean_state(experts)
-    solves: list[dict] = []
-
-    def step(index: int, _base: nn.Module, expert_bbs: dict[str, nn.Module], streams: Streams) -> Streams:
-        grams, after = block_grams(family, index, expert_bbs, streams)
-        merge_linears(family.block_prefix(context.base, index), grams, tasks, experts, opts.off_diagonal, out, solves)
-        return after
-
-    final = walk_blocks(weights, weights.enter_experts(family, batches), step,
-                        n_blocks=len(family.blocks(context.base)), progress=False)
-    pooler = family.pooler(context.base)
-    if pooler is not None:   # it reads the pooled token of the last block's output
-        from featcal.lazy import module_prefix   # featcal.lazy imports the merging package
-
-        name = module_prefix(context.base, pooler)[:-1]
-        grams = {name: {t: LinearMoments() for t in tasks}}
-        for task, streams in final.items():
-            for stream in streams:
-                grams[name][task].merge(gram_sums(family.head_features(backbones[task], stream)))
-        merge_linears("", grams, tasks, experts, opts.off_diagonal, out, solves)
-    context.record.update({"solves": solves, "summary": _summary(solves)})
+    solves = walk_regmean(context.family, context.base, weights, weights.enter_experts(context.family, batches),
+                          tasks, opts.off_diagonal, lambda tensors: _update(out, tensors))
+    context.record.update(regmean_record(solves))
     return out
+
+
+def _update(out: StateDict, tensors: StateDict) -> None:
+    out.update({name: value.to(out[name].dtype) for name, value in tensors.items()})
+
+
+def regmean_record(solves: list[dict]) -> dict:
+    return {"solves": solves, "summary": _summary(solves)}
 
 
 # --------------------------------------------------------------------------- RegMean++
@@ -212,10 +292,21 @@ def pre_block_names(family: Family, backbone: nn.Module, batch: Mapping[str, Ten
 
 
 @torch.no_grad()
-def _write(backbone: nn.Module, values: Mapping[str, Tensor]) -> None:
+def write_into(backbone: nn.Module, values: Mapping[str, Tensor]) -> None:
+    """Copy `values` into the backbone's (real) tensors of those names, cast to their dtypes."""
     state = backbone.state_dict(keep_vars=True)
     for name, value in values.items():
         state[name].data.copy_(value.to(state[name].dtype))
+
+
+def in_blocks(family: Family, backbone: nn.Module) -> tuple[str, ...]:
+    """The name prefixes of the backbone's blocks."""
+    return tuple(family.block_prefix(backbone, i) for i in range(len(family.blocks(backbone))))
+
+
+def regmean_plus_plus_record(solves: list[dict], pre: list[str], kept: list[str]) -> dict:
+    return {"solves": solves, "averaged_pre_block": pre, "kept_at_base": kept,
+            "summary": {**_summary(solves), "kept_at_base": kept}}
 
 
 @register("regmean_plus_plus", RegMeanOptions, needs=("activations",))
@@ -226,30 +317,20 @@ def regmean_plus_plus(
     family, tasks = context.family, list(context.experts)
     batches = check_batches("regmean_plus_plus", context)
     backbones = {t: family.backbone(m).eval() for t, m in context.experts.items()}
-    merged = copy.deepcopy(context.base).eval()   # M: θ₀, then the averaged pre-block, then block by block
+    merged = copy.deepcopy(context.base).eval()   # M: θ₀, then the averaged pre-block; blocks swapped in as merged
     mean = mean_state(experts)
     out = dict(base)
     pre = sorted(pre_block_names(family, merged, next(iter(batches.values()))[0]) & set(base))
     out.update({name: mean[name] for name in pre})
-    _write(merged, {name: out[name] for name in pre})
-    solves: list[dict] = []
-
-    def step(index: int, _base: nn.Module, expert_bbs: dict[str, nn.Module], streams: Streams) -> Streams:
-        grams, _ = block_grams(family, index, expert_bbs, streams)
-        prefix = family.block_prefix(context.base, index)
-        block = [name for name in base if name.startswith(prefix)]
-        out.update({name: mean[name] for name in block})
-        merge_linears(prefix, grams, tasks, experts, opts.off_diagonal, out, solves)
-        _write(merged, {name: out[name] for name in block})
-        return {t: [family.run_block(merged, index, s) for s in ss] for t, ss in streams.items()}
-
-    walk_blocks(ModuleWeights(context.base, backbones), enter_streams(family, merged, batches), step,
-                n_blocks=len(family.blocks(merged)), progress=False)
-    kept = [n for n in base if n not in pre and not any(n.startswith(family.block_prefix(merged, i))
-                                                        for i in range(len(family.blocks(merged))))]
-    context.record.update({"solves": solves, "averaged_pre_block": pre, "kept_at_base": kept,
-                           "summary": {**_summary(solves), "kept_at_base": kept}})
+    write_into(merged, {name: out[name] for name in pre})
+    solves = walk_regmean(family, context.base, ModuleWeights(context.base, backbones),
+                          enter_streams(family, merged, batches), tasks, opts.off_diagonal,
+                          lambda tensors: _update(out, tensors), merged=merged)
+    blocks = in_blocks(family, merged)
+    kept = [n for n in base if n not in pre and not n.startswith(blocks)]
+    context.record.update(regmean_plus_plus_record(solves, pre, kept))
     return out
 
 
-__all__ = ["RegMeanOptions", "block_grams", "pre_block_names", "regmean", "regmean_plus_plus", "regmean_weight", "shrink"]
+__all__ = ["RegMeanOptions", "block_grams", "merge_module", "pre_block_names", "regmean", "regmean_plus_plus",
+           "regmean_weight", "shrink", "walk_regmean"]
