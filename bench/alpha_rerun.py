@@ -8,7 +8,7 @@ per checkpoint instead of loading every model. In one run this measures:
     ran. The workspace is restored afterwards (params.yaml, dvc.lock and results/ as they were,
     uncommitted changes included; the DVC-tracked outputs by `dvc checkout --force`) and the
     experiment is removed from the experiment list unless --keep-exp;
-(b) one in-process calibration of the same merged model with the new α (`featcal.calibrate.calibrate`)
+(b) one in-process calibration of the same merged model with the new α (`featcal.calibration.calibrate.calibrate`)
     plus scoring the calibrated model on test; `alpha_rerun_over_inprocess` = (a) ÷ (b), goal <= 1.3;
 (c) the peak RSS of the largest calibrate-layer stage in that experiment ÷ the largest before the
     streaming rewrite (commit c1adb0f's results/timing), goal <= 0.5.
@@ -178,13 +178,14 @@ def in_process(params: dict, alpha: float) -> dict:
     import torch
     from common import enabled_tasks, get, max_length
 
-    from featcal.calibrate import FeatCalConfig, calibrate
-    from featcal.data import batches_from_arrays, read_split
-    from featcal.evaluate import score_backbone, summary
-    from featcal.lazy import load_head
-    from featcal.modeling import load_backbone, load_classifier, load_tokenizer
+    from featcal.calibration.config import FeatCalConfig
+    from featcal.calibration.calibrate import calibrate
+    from featcal.data.splits import batches_from_arrays, read_split
+    from featcal.evaluation.scoring import score_backbone, summary
+    from featcal.io.checkpoints import load_head
+    from featcal.io.models import load_backbone, load_classifier, load_tokenizer
     from featcal.profiling import measure
-    from featcal.store import read_group
+    from featcal.io.feature_store import read_group
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

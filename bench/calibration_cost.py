@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
 from common import enabled_tasks, get, load_params, max_length  # noqa: E402
 
-from featcal import compare as cmp  # noqa: E402
-from featcal.baselines import ProbSurgeryConfig, SurgeryConfig  # noqa: E402
-from featcal.calibrate import FeatCalConfig  # noqa: E402
+from featcal.evaluation import compare as cmp  # noqa: E402
+from featcal.baselines.surgery import ProbSurgeryConfig, SurgeryConfig  # noqa: E402
+from featcal.calibration.config import FeatCalConfig
 from featcal.families import family_for  # noqa: E402
 from featcal.profiling import measure, phase_times  # noqa: E402
 

@@ -5,8 +5,8 @@ saved as a base and N experts (the base plus small seeded perturbations of every
 parameter, each with its own classification head); the merged model is written by `lazy_merge`
 (task arithmetic). Then each mode runs in its own fresh subprocess, one after the other:
 
-- whole: `AutoModel.from_pretrained` of the base and every expert, then `featcal.calibrate`;
-- lazy:  `featcal.lazy.calibrate_lazy`, reading one block of the base and of every expert at a time.
+- whole: `AutoModel.from_pretrained` of the base and every expert, then `featcal.calibration.calibrate`;
+- lazy:  `featcal.calibration.lazy.calibrate_lazy`, reading one block of the base and of every expert at a time.
 
 Both calibrate the merged model in place on the same tiny calibration set (default 8 examples ×
 16 tokens per task: the comparison is about model memory, not activations). Each child reports
@@ -103,9 +103,10 @@ def child(mode: str, work: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     from transformers import AutoModel
 
-    from featcal.calibrate import calibrate
-    from featcal.distributed import state_digest
-    from featcal.lazy import calibrate_lazy, lazy_merge
+    from featcal.calibration.calibrate import calibrate
+    from featcal.calibration.distributed import state_digest
+    from featcal.calibration.lazy import calibrate_lazy
+    from featcal.merging.lazy import lazy_merge
 
     experts = {t: Path(p) for t, p in json.loads((work / "experts.json").read_text()).items()} \
         if (work / "experts.json").exists() else None

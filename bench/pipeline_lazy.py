@@ -195,12 +195,12 @@ def reference(project: Path, layer: int) -> dict:
     import yaml
     from safetensors.torch import load_file
 
-    from featcal.calibrate import FeatCalConfig
-    from featcal.data import batches_from_arrays
+    from featcal.calibration.config import FeatCalConfig
+    from featcal.data.splits import batches_from_arrays
     from featcal.families import family_for
-    from featcal.modeling import load_backbone, load_classifier
-    from featcal.store import read_group
-    from featcal.walk import CachedExpertStates, ModuleWeights, split_like, walk
+    from featcal.io.models import load_backbone, load_classifier
+    from featcal.io.feature_store import read_group
+    from featcal.calibration.walk import CachedExpertStates, ModuleWeights, split_like, walk
 
     params = yaml.safe_load((project / "params.yaml").read_text())
     tasks = [t for t, spec in params["tasks"].items() if (spec or {}).get("enabled", True)]

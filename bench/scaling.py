@@ -1,6 +1,6 @@
 """Benchmark (not a test): how FeatCal's calibration cost grows with examples, tasks and width.
 
-Wall time and peak resident memory of one `featcal.calibrate` call on synthetic BERT encoders,
+Wall time and peak resident memory of one `featcal.calibration.calibrate` call on synthetic BERT encoders,
 along three sweeps, each point in its own fresh subprocess (so its peak RSS is that run's alone):
 
 - examples per task: 8 … 512   (4 tasks, hidden 256)
@@ -125,7 +125,8 @@ def run_point(tasks: int, examples: int, hidden: int, args: argparse.Namespace) 
     t_start = time.perf_counter()
     import torch
 
-    from featcal.calibrate import FeatCalConfig, calibrate
+    from featcal.calibration.config import FeatCalConfig
+    from featcal.calibration.calibrate import calibrate
     from featcal.profiling import measure, phase_times
 
     base, experts, merged = build_models(hidden, tasks, args.layers, args.vocab, args.seq, args.seed)
@@ -211,7 +212,7 @@ def plot(points: dict[str, list[dict]], fits: dict[str, dict], path: Path) -> No
     import numpy as np
     from matplotlib.ticker import FuncFormatter
 
-    from featcal.plots import _save, plt
+    from featcal.evaluation.plots import _save, plt
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
 
@@ -324,7 +325,7 @@ def main() -> None:
 
     import torch
     report = {
-        "what": "featcal.calibrate wall time and peak RSS on synthetic BERT encoders, one fresh process per run; "
+        "what": "featcal.calibration.calibrate wall time and peak RSS on synthetic BERT encoders, one fresh process per run; "
                 "added_rss_mib = peak RSS during calibrate minus the RSS right before it (interpreter, torch, "
                 "models and batches already resident); the RSS fit is on added_rss_mib; per point the median of "
                 "the runs",

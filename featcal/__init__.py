@@ -1,53 +1,38 @@
 """featcal: merge fine-tuned experts, then calibrate the merged model toward them (FeatCal).
 
     from featcal import merge_models, calibrate, FeatCalConfig, save_multitask, load_task_model
+
+The names are imported on first use, so a program that needs one part of the library (a stage that
+fine-tunes an expert, say) runs none of the others.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Mapping
+import importlib
 
-from torch import nn
+_EXPORTS = {
+    "merge_models": "featcal.merging.in_memory",
+    "MERGE_METHODS": "featcal.merging",
+    "MergeContext": "featcal.merging",
+    "calibrate": "featcal.calibration.calibrate",
+    "CalibrationResult": "featcal.calibration.calibrate",
+    "FeatCalConfig": "featcal.calibration.config",
+    "calibrate_lazy": "featcal.calibration.lazy",
+    "lazy_merge": "featcal.merging.lazy",
+    "load_task_model": "featcal.io.models",
+    "save_multitask": "featcal.io.models",
+}
 
-from .calibrate import CalibrationResult, FeatCalConfig, calibrate
-from .families import family_for
-from .merging import MERGE_METHODS, MergeContext, merge_state_dicts
-from .modeling import check_experts_fit_base, load_task_model, save_multitask
-
-
-def merge_models(
-    base: nn.Module,
-    experts: Mapping[str, nn.Module],
-    method: str = "task_arithmetic",
-    options: Mapping | None = None,
-    context: MergeContext | None = None,
-) -> nn.Module:
-    """A copy of the base backbone holding the merge of the experts' backbones (heads untouched).
-
-    Experts of another model type than the base, or with other tensors, or with NaN/Inf weights
-    are refused; an expert that looks like no fine-tune of the base gets a warning. A data method
-    (RegMean, AdaMerging, SigMerge, ...) reads `context`: this driver fills its models (the base
-    backbone, the experts in order, their family); the caller gives the data (train batches, dev
-    scoring). Whatever the method reports lands in `context.record`.
-    """
-    family = family_for(base)
-    check_experts_fit_base(base, experts)
-    merged = copy.deepcopy(family.backbone(base))
-    context = MergeContext() if context is None else context
-    context.base = family.backbone(base).eval() if context.base is None else context.base
-    context.experts = dict(experts) if context.experts is None else context.experts
-    context.family = family if context.family is None else context.family
-    if list(context.experts) != list(experts):
-        raise ValueError(f"the context's experts {list(context.experts)} are not the experts merged {list(experts)}")
-    state = merge_state_dicts(
-        method, merged.state_dict(), [family.backbone(m).state_dict() for m in experts.values()], options, context
-    )
-    merged.load_state_dict(state)
-    return merged.eval()
+__all__ = sorted(_EXPORTS)
 
 
-__all__ = [
-    "MERGE_METHODS", "CalibrationResult", "MergeContext", "FeatCalConfig", "calibrate", "load_task_model",
-    "merge_models", "save_multitask",
-]
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'featcal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -15,14 +15,14 @@ from common import enabled_tasks, get, load_params, setup_logging, timed
 from parallel import relaunch_under_torchrun
 from safetensors.torch import save_file
 
-from featcal import distributed
-from featcal.calibrate import HYPER_KEYS, FeatCalConfig
-from featcal.data import batches_from_arrays
-from featcal.layerwise import calibrate_cached_layer
-from featcal.modeling import atomic_file, check_finite
-from featcal.moments import pack_moments
-from featcal.solve import ILL_CONDITIONED
-from featcal.store import StoreFormat, read_group, write_group
+from featcal.calibration import distributed
+from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
+from featcal.data.splits import batches_from_arrays
+from featcal.calibration.layerwise import calibrate_cached_layer
+from featcal.io.models import atomic_file, check_finite
+from featcal.calibration.moments import pack_moments
+from featcal.calibration.solve import ILL_CONDITIONED
+from featcal.io.feature_store import StoreFormat, read_group, write_group
 
 
 def main() -> None:

@@ -15,12 +15,12 @@ from common import calibration_spec, enabled_tasks, get, load_params, setup_logg
 from parallel import relaunch_under_torchrun
 from tqdm.auto import tqdm
 
-from featcal import distributed
-from featcal.data import batches_to_arrays, calibration_batches
-from featcal.evaluate import DRIFT_BATCH_SIZE
-from featcal.layerwise import collect_expert_layers
-from featcal.modeling import load_tokenizer
-from featcal.store import StoreFormat, write_group
+from featcal.calibration import distributed
+from featcal.data.splits import batches_to_arrays, calibration_batches
+from featcal.evaluation.scoring import DRIFT_BATCH_SIZE
+from featcal.calibration.layerwise import collect_expert_layers
+from featcal.io.models import load_tokenizer
+from featcal.io.feature_store import StoreFormat, write_group
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

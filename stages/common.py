@@ -17,8 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from featcal.data import CalibrationSpec  # noqa: E402
-from featcal.modeling import write_json  # noqa: E402
+from featcal.data.splits import CalibrationSpec  # noqa: E402
+from featcal.io.models import write_json  # noqa: E402
 from params_schema import ParamsError, validate, validate_tuned  # noqa: E402
 
 TIMING_DIR = Path("results/timing")

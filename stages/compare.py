@@ -16,11 +16,11 @@ from pathlib import Path
 from common import enabled_tasks, get, load_params, max_length, setup_logging
 from tqdm.auto import tqdm
 
-from featcal import compare as cmp
-from featcal.baselines import ProbSurgeryConfig, SurgeryConfig
-from featcal.calibrate import FeatCalConfig
-from featcal.modeling import write_json
-from featcal.plots import plot_lines
+from featcal.evaluation import compare as cmp
+from featcal.baselines.surgery import ProbSurgeryConfig, SurgeryConfig
+from featcal.calibration.config import FeatCalConfig
+from featcal.io.models import write_json
+from featcal.evaluation.plots import plot_lines
 
 
 def main() -> None:

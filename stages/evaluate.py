@@ -14,11 +14,11 @@ from pathlib import Path
 from common import TIMING_DIR, enabled_tasks, load_params, read_json, setup_logging, timed
 from evaluate_merged import evaluate_backbone
 
-from featcal.calibrate import LayerDrift
-from featcal.evaluate import drift_rows, gap_closed, summary
-from featcal.lazy import load_head
-from featcal.modeling import load_backbone, load_tokenizer, save_multitask, with_parameters_from, write_json
-from featcal.plots import plot_drift
+from featcal.calibration.calibrate import LayerDrift
+from featcal.evaluation.scoring import drift_rows, gap_closed, summary
+from featcal.io.checkpoints import load_head
+from featcal.io.models import load_backbone, load_tokenizer, save_multitask, with_parameters_from, write_json
+from featcal.evaluation.plots import plot_drift
 
 
 def main() -> None:

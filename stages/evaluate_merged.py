@@ -12,12 +12,12 @@ from pathlib import Path
 
 from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
 
-from featcal.data import batches_from_arrays, read_split
-from featcal.evaluate import DRIFT_BATCH_SIZE, drift_to_states, score_backbone, summary
+from featcal.data.splits import batches_from_arrays, read_split
+from featcal.evaluation.scoring import DRIFT_BATCH_SIZE, drift_to_states, score_backbone, summary
 from featcal.families import family_for
-from featcal.lazy import load_head
-from featcal.modeling import load_backbone, load_tokenizer, write_json
-from featcal.store import read_group
+from featcal.io.checkpoints import load_head
+from featcal.io.models import load_backbone, load_tokenizer, write_json
+from featcal.io.feature_store import read_group
 
 
 def evaluate_backbone(backbone, heads: dict, params: dict, features: str, tokenizer_dir: str) -> tuple[dict, list]:

@@ -7,9 +7,9 @@ import argparse
 import torch
 from common import get, load_params, max_length, setup_logging, timed
 
-from featcal.data import num_labels, read_split
-from featcal.modeling import atomic_dir, check_finite, load_classifier, load_tokenizer, write_json
-from featcal.train import FinetuneConfig, accuracy, finetune
+from featcal.data.splits import num_labels, read_split
+from featcal.io.models import atomic_dir, check_finite, load_classifier, load_tokenizer, write_json
+from featcal.finetune import FinetuneConfig, accuracy, finetune
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from common import enabled_tasks, get, load_params
 from transformers import AutoConfig
 
 from featcal.families import FAMILIES
-from featcal.modeling import resolve_model_ref
+from featcal.io.models import resolve_model_ref
 
 
 def main() -> None:

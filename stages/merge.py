@@ -16,10 +16,11 @@ from pathlib import Path
 from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
 
 from featcal import merge_models
-from featcal.compare import load_workbench, merge_context
-from featcal.lazy import lazy_merge, load_head, streams
+from featcal.evaluation.compare import load_workbench, merge_context
+from featcal.merging.lazy import lazy_merge, streams
+from featcal.io.checkpoints import load_head
 from featcal.merging import get_method, split_options
-from featcal.modeling import atomic_dir, check_model_types, load_tokenizer, save_heads, save_multitask, write_json
+from featcal.io.models import atomic_dir, check_model_types, load_tokenizer, save_heads, save_multitask, write_json
 
 RECORD_DIR = Path("results/merge")
 

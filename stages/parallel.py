@@ -7,7 +7,7 @@ import os
 import shutil
 import sys
 
-from featcal import distributed
+from featcal.calibration import distributed
 
 
 def relaunch_under_torchrun(nproc: int) -> None:

@@ -20,9 +20,9 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from featcal.calibrate import check_device_name
-from featcal.moments import PRODUCT_DTYPES
-from featcal.store import COMPRESSORS, STORAGE_DTYPES
+from featcal.calibration.config import check_device_name
+from featcal.calibration.moments import PRODUCT_DTYPES
+from featcal.io.feature_store import COMPRESSORS, STORAGE_DTYPES
 
 CHAIN_FILE = "stages/chain.yaml"
 HYPER_KEYS = ("alpha", "rho", "ridge")
@@ -323,8 +323,8 @@ class Cache:
 
 
 def task_specs(value, where: str) -> dict:
-    """`tasks`: name -> featcal.tasks.TaskSpec (its own checks), at least one enabled."""
-    from featcal.tasks import TaskSpec
+    """`tasks`: name -> featcal.data.tasks.TaskSpec (its own checks), at least one enabled."""
+    from featcal.data.tasks import TaskSpec
 
     raw = mapping(value, where)
     specs = {}
@@ -447,8 +447,8 @@ def check_merge_options(method: str, options: Mapping, where: str, key_is_method
 
 def check_compare(params: Params) -> None:
     """Corruption kinds exist; Surgery/ProbSurgery overrides name their configs' knobs and pass their checks."""
-    from featcal.baselines import ProbSurgeryConfig, SurgeryConfig
-    from featcal.corrupt import CORRUPTIONS
+    from featcal.baselines.surgery import ProbSurgeryConfig, SurgeryConfig
+    from featcal.data.corrupt import CORRUPTIONS
 
     for i, kind in enumerate(params.compare.corruptions):
         one_of(*CORRUPTIONS)(kind, f"compare.corruptions[{i}]")
@@ -480,7 +480,7 @@ def model_config(ref: str, where: str):
     """The config of a model reference (a path, hub id or package:), or an error naming the key."""
     from transformers import AutoConfig
 
-    from featcal.modeling import resolve_model_ref
+    from featcal.io.models import resolve_model_ref
 
     try:
         return AutoConfig.from_pretrained(resolve_model_ref(ref))

@@ -1,6 +1,6 @@
 """DVC stage `prepare`: task sources -> data/tasks/<task>/{train,dev,test}.parquet + labels.json.
 
-Reads params `tasks` (task name -> spec, see featcal.tasks.TaskSpec; `enabled: false` skips one)
+Reads params `tasks` (task name -> spec, see featcal.data.tasks.TaskSpec; `enabled: false` skips one)
 and `seed` (default 0), and prints one summary line per task.
 
     python stages/prepare.py [--params params.yaml] [--out data/tasks] [--only TASK ...]
@@ -18,7 +18,7 @@ import yaml
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from featcal.tasks import TaskSpec, load_task_frame, split_task, summarize, write_task
+from featcal.data.tasks import TaskSpec, load_task_frame, split_task, summarize, write_task
 
 
 def read_specs(params_path: Path) -> tuple[list[TaskSpec], int]:

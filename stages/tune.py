@@ -15,8 +15,8 @@ from pathlib import Path
 
 from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
 
-from featcal.calibrate import FeatCalConfig
-from featcal.modeling import write_json
+from featcal.calibration.config import FeatCalConfig
+from featcal.io.models import write_json
 from featcal.tuning import (
     DEFAULT_STUDY, SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem, make_storage, tune,
     write_best,

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModel
 
 from featcal import merge_models
-from featcal.lazy import lazy_merge
+from featcal.merging.lazy import lazy_merge
 from featcal.merging import build_options, merge_state_dicts
 from featcal.merging.isotropic import iso_cts_factors, iso_cts_sizes
 from featcal.merging.spectral import polar

@@ -17,15 +17,15 @@ import torch
 import yaml
 from transformers import BertTokenizer
 
-import featcal.data
+import featcal.data.splits
 from featcal import MergeContext, merge_models
-from featcal import compare as cmp
+from featcal.evaluation import compare as cmp
 from featcal.families import family_for
-from featcal.lazy import lazy_merge, streams
+from featcal.merging.lazy import lazy_merge, streams
 from featcal.merging import get_method, merge_state_dicts, split_options
 from featcal.merging.adamerging import entropy, merged_tensors, task_logits
 from featcal.merging.sigmerge import SigMergeOptions, anchor_merge, sigmerge
-from featcal.signatures import block_index_of, pooled_block_outputs
+from featcal.merging.sigmerge_inputs import block_index_of, pooled_block_outputs
 import test_families as tfm
 from conftest import assert_same_state, batches_for, perturbed, tiny_bert
 from tiny_project import WORDS, make_vocab
@@ -243,7 +243,7 @@ def test_adamerging_at_zero_steps_is_task_arithmetic_with_its_initial_lambda():
 
 
 # large task vectors, so that λ visibly moves the predictions (and the plausibility check warns)
-LARGE = pytest.mark.filterwarnings("ignore::featcal.modeling.ImplausibleExpertWarning")
+LARGE = pytest.mark.filterwarnings("ignore::featcal.io.models.ImplausibleExpertWarning")
 
 
 @LARGE
@@ -319,7 +319,7 @@ def test_the_supplied_context_reads_train_data_only_and_adamerging_runs_on_it(tm
     tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
     bench = cmp.Workbench(base.bert, experts, tokenizer, str(tmp_path), {t: 12 for t in experts}, seed=0, batch_size=4)
     read = []
-    real = featcal.data.read_split
+    real = featcal.data.splits.read_split
     monkeypatch.setattr(cmp, "read_split", lambda d, t, s: read.append(s) or real(d, t, s))
     context = cmp.merge_context(bench, "adamerging", {"examples_per_task": 8})
     assert {t: sum(len(b["input_ids"]) for b in bs) for t, bs in context.batches.items()} == {"a": 8, "b": 8}
@@ -334,7 +334,7 @@ def test_choose_on_dev_keeps_the_best_dev_candidate_and_reads_no_test_data(tmp_p
     tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(make_vocab(WORDS))})
     bench = cmp.Workbench(base.bert, experts, tokenizer, str(tmp_path), {t: 12 for t in experts}, seed=0, batch_size=4)
     read = []
-    real = featcal.data.read_split
+    real = featcal.data.splits.read_split
     monkeypatch.setattr(cmp.Workbench, "split", lambda self, t, s="test": read.append(s) or real(self.tasks_dir, t, s))
     candidates = [{"scale": 0.0}, {"scale": 2.0}, {"scale": 1.0}, {"scale": -3.0}, {"scale": 2.0}]
     choice = cmp.choose_on_dev(bench, "task_arithmetic", candidates)
@@ -367,7 +367,7 @@ def test_sigmerge_through_merge_models_gives_the_old_special_cased_result(tmp_pa
     context = MergeContext(score_dev=score_dev, expert_dev=expert_dev, shared_batches=shared)
     merged = merge_models(base, experts, "sigmerge", options, context)
 
-    # the old path (featcal.signatures.run_sigmerge before the registry): the same steps by hand
+    # the old path (featcal.merging.sigmerge_inputs.run_sigmerge before the registry): the same steps by hand
     family = family_for(base)
     opts = SigMergeOptions(**options)
     base_state = base.bert.state_dict()

@@ -30,9 +30,9 @@ from transformers import GPT2Config, GPT2Model, RobertaConfig, RobertaForSequenc
 
 from featcal import merge_models
 from featcal import tuning as tune
-from featcal.modeling import (ImplausibleExpertWarning, NonFiniteWeightsError, load_backbone, load_classifier,
+from featcal.io.models import (ImplausibleExpertWarning, NonFiniteWeightsError, load_backbone, load_classifier,
                               save_multitask)
-from featcal.store import write_group
+from featcal.io.feature_store import write_group
 from conftest import DVC, copy_project, tiny_bert
 from tiny_project import ROOT, make_base, make_tasks, run, tiny_params
 
@@ -270,7 +270,7 @@ def test_na_none_null_texts_are_kept_as_text(tmp_path, monkeypatch):
 def test_dropped_rows_are_counted_per_reason(tmp_path, monkeypatch, caplog):
     rows = ",a\n" + "only spaces   ,a\n".replace("only spaces", "  ") + "no label,\n" + "skip me,c\n"
     rows += "".join(f"row {i},{'ab'[i % 2]}\n" for i in range(40))
-    with caplog.at_level("INFO", logger="featcal.tasks"):
+    with caplog.at_level("INFO", logger="featcal.data.tasks"):
         out = prepare_task(tmp_path, monkeypatch, "text,label\n" + rows, label_map={"a": "A", "b": "B", "c": None})
     dropped = json.loads((out / "labels.json").read_text())["dropped"]
     assert dropped == {"missing text": 1, "missing label": 1, "label mapped to null": 1, "empty text": 1}

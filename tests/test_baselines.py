@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from featcal.baselines import (
+from featcal.baselines.surgery import (
     ProbSurgeryConfig,
     ProbSurgeryModule,
     SurgeryClassifier,

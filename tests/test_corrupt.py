@@ -2,7 +2,7 @@
 
 import pytest
 
-from featcal.corrupt import CORRUPTIONS, corrupt_texts
+from featcal.data.corrupt import CORRUPTIONS, corrupt_texts
 
 TEXTS = ["the quick brown fox jumps over the lazy dog again and again today"] * 20
 

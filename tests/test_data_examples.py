@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from featcal.tasks import TaskSpec, load_task_frame, split_task
+from featcal.data.tasks import TaskSpec, load_task_frame, split_task
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "examples" / "product_reviews.csv"
 

@@ -22,15 +22,16 @@ import torch
 from transformers import AutoModel
 
 from featcal import merge_models
-from featcal.calibrate import FeatCalConfig, calibrate
-from featcal.distributed import (
+from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.calibrate import calibrate
+from featcal.calibration.distributed import (
     all_reduce_moments,
     calibrate_distributed,
     shard_batches,
     world_size,
     zero_moments,
 )
-from featcal.moments import LinearMoments, NormMoments
+from featcal.calibration.moments import LinearMoments, NormMoments
 from conftest import perturbed, save_models, tiny_bert
 
 RTOL = ATOL = 1e-9
@@ -105,7 +106,7 @@ def test_torchrun_two_processes_match_one_process(saved, tmp_path):
     out = tmp_path / "calibrated"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "featcal.distributed", "--lazy", "--dtype", "float64",
+        "-m", "featcal.calibration.distributed", "--lazy", "--dtype", "float64",
         "--merged", str(root / "merged"), "--base", str(root / "base"),
         *[f"--expert={t}={root / t}" for t in ["a", "b", "c"]],
         "--batches", str(root / "batches.pt"), "--out", str(out),
@@ -115,7 +116,7 @@ def test_torchrun_two_processes_match_one_process(saved, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # each rank prints the sha256 of its calibrated weights: every rank must hold the same model
-    digests = dict(re.findall(r"featcal\.distributed rank (\d+/\d+) digest ([0-9a-f]{64})", proc.stdout))
+    digests = dict(re.findall(r"featcal\.calibration\.distributed rank (\d+/\d+) digest ([0-9a-f]{64})", proc.stdout))
     assert set(digests) == {"0/2", "1/2"}, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert digests["0/2"] == digests["1/2"], "the two ranks hold different calibrated weights"
     run = json.loads((out / "featcal_run.json").read_text())

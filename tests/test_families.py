@@ -19,8 +19,9 @@ import torch
 import transformers as tf
 from torch import Tensor, nn
 
-from featcal.calibrate import FeatCalConfig, calibrate
-from featcal.evaluate import layer_drift as evaluate_layer_drift
+from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.calibrate import calibrate
+from featcal.evaluation.scoring import layer_drift as evaluate_layer_drift
 from featcal.families import FAMILIES, Family, Stream, family_for
 from featcal.families.base import first_output
 from conftest import tiny_bert
@@ -413,7 +414,7 @@ def test_featcal_lowers_feature_drift_and_round_trips(case: Case, tmp_path) -> N
     for d in result.drift:
         if d.layer != last_encoder_block:
             assert (d.l2, d.cosine) == pytest.approx(after[d.layer], rel=1e-5), d
-    # featcal.evaluate.layer_drift (the evaluate stage's) too; at T5's last encoder block it measures
+    # featcal.evaluation.scoring.layer_drift (the evaluate stage's) too; at T5's last encoder block it measures
     # the encoder output
     measured = evaluate_layer_drift(family, experts, calibrated, batches)
     assert [d.layer for d in measured] == list(range(n_blocks))

@@ -8,18 +8,13 @@ import pytest
 import torch
 from transformers import AutoModel
 
-import featcal.walk as walk_module
+import featcal.calibration.walk as walk_module
 from featcal import MergeContext, merge_models
-from featcal.calibrate import FeatCalConfig, calibrate
-from featcal.lazy import (
-    CheckpointReader,
-    CheckpointTaskVectors,
-    LazyBackbone,
-    block_group,
-    calibrate_lazy,
-    lazy_merge,
-    parse_size,
-)
+from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.calibrate import calibrate
+from featcal.io.checkpoints import block_group, CheckpointReader, LazyBackbone, parse_size
+from featcal.merging.lazy import CheckpointTaskVectors, lazy_merge
+from featcal.calibration.lazy import calibrate_lazy
 from conftest import assert_same_state, batches_for, perturbed, tiny_bert
 
 
@@ -177,7 +172,7 @@ def test_t5_encoder_decoder_lazy_equals_whole(tmp_path):
 
 
 def test_lazy_merge_warns_about_an_expert_that_is_no_fine_tune_of_the_base(setup, tmp_path):
-    from featcal.modeling import ImplausibleExpertWarning
+    from featcal.io.models import ImplausibleExpertWarning
 
     tiny_bert(seed=9, layers=3).save_pretrained(tmp_path / "random")
     perturbed(setup["base"], 5, scale=0.001).save_pretrained(tmp_path / "fine_tune")   # a small task vector

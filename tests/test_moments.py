@@ -2,7 +2,7 @@
 
 import torch
 
-from featcal.moments import LinearMoments, NormMoments, moments_from_arrays, moments_to_arrays
+from featcal.calibration.moments import LinearMoments, NormMoments, moments_from_arrays, moments_to_arrays
 
 
 def test_moments_over_small_batches_equal_one_big_batch():
@@ -44,7 +44,7 @@ def test_moments_means_are_the_spec_statistics():
 
 
 def test_packed_moments_round_trip_exactly():
-    from featcal.moments import pack_moments, unpack_moments
+    from featcal.calibration.moments import pack_moments, unpack_moments
 
     g = torch.Generator().manual_seed(2)
     moments = {}
@@ -67,7 +67,7 @@ def test_packed_moments_round_trip_exactly():
 
 
 def test_blocked_gram_equals_the_plain_product():
-    from featcal.moments import gram_of
+    from featcal.calibration.moments import gram_of
     x = torch.randn(300, 1100, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     assert torch.allclose(gram_of(x, block=256), x.T @ x, rtol=1e-12, atol=1e-9)
     assert torch.equal(gram_of(x[:, :100], block=256), x[:, :100].T @ x[:, :100])   # narrow: one product

@@ -1,22 +1,26 @@
 """Real `dvc repro` on a tiny configuration, and which stages DVC re-runs when α changes."""
 
+import ast
 import json
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
 
-from featcal.calibrate import FeatCalConfig, calibrate
-from featcal.data import batches_from_arrays
-from featcal.modeling import load_backbone, load_classifier
-from featcal.store import read_group
+from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.calibrate import calibrate
+from featcal.data.splits import batches_from_arrays
+from featcal.io.models import load_backbone, load_classifier
+from featcal.io.feature_store import read_group
 
+import featcal
 from conftest import UPSTREAM, copy_project, stages_run, stages_skipped
-from tiny_project import run
+from tiny_project import ROOT, run
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +90,66 @@ def test_a_stage_is_out_of_date_when_library_code_it_runs_changes(project):
         family.write_text(original)
     changed = set(re.findall(r"^(\S+):\s*$", status, flags=re.M))
     assert {"calibrate-layer@L00", "calibrate-layer@L01", "collect-expert-features", "evaluate"} <= changed, status
+
+
+def code_run_by(script: Path) -> set[str]:
+    """The project files a stage script may execute: it, the stage modules and the featcal modules it
+    imports (anywhere in a module, function-level imports too), followed transitively, with the
+    packages whose __init__ an import runs. Names `featcal` exports lazily resolve to their module.
+    The params check (stages/params_schema.py) is not followed: it reads the option classes of every
+    section to refuse a bad value, and can stop a stage but never change what it writes."""
+    seen: set[str] = set()
+    todo = [script]
+    while todo:
+        path = todo.pop()
+        rel = str(path.relative_to(ROOT))
+        if rel in seen:
+            continue
+        seen.add(rel)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [(alias.name, None) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [(node.module, alias.name) for alias in node.names]
+            else:
+                continue
+            for module, name in names:
+                if module == "featcal" and name in featcal._EXPORTS:
+                    module, name = featcal._EXPORTS[name], None
+                parts = module.split(".")
+                if parts[0] != "featcal":
+                    local = ROOT / "stages" / f"{module}.py"   # a stage module (common, parallel, ...)
+                    todo += [local] if len(parts) == 1 and local.exists() and module != "params_schema" else []
+                    continue
+                for k in range(1, len(parts) + 1):             # each package's __init__ runs, then the module
+                    base = ROOT.joinpath(*parts[:k])
+                    todo += [f for f in (base / "__init__.py", base.with_suffix(".py")) if f.exists()]
+                if name is not None:                           # `from package import submodule`
+                    sub = ROOT.joinpath(*parts, name)
+                    todo += [f for f in (sub.with_suffix(".py"), sub / "__init__.py") if f.exists()]
+    return seen
+
+
+def pipeline_stages() -> dict[str, dict]:
+    """Every stage of dvc.yaml and compare/dvc.yaml (a foreach stage once): its command and deps."""
+    out = {}
+    for dvc_file in ("dvc.yaml", "compare/dvc.yaml"):
+        for name, stage in yaml.safe_load((ROOT / dvc_file).read_text())["stages"].items():
+            stage = stage.get("do", stage)
+            out[f"{dvc_file}:{name}"] = {"cmd": stage["cmd"], "deps": [str(d) for d in stage.get("deps", [])]}
+    return out
+
+
+def test_every_stage_lists_the_code_it_runs_among_its_deps():
+    """DVC sees what a stage runs: each file the stage's script can execute lies under one of its deps."""
+    stages = pipeline_stages()
+    assert len(stages) >= 12, stages
+    for name, stage in stages.items():
+        script = ROOT / re.search(r"python (stages/\S+\.py)", stage["cmd"]).group(1)
+        runs = code_run_by(script)
+        assert any(f.startswith("featcal/") for f in runs), (name, runs)
+        missing = sorted(f for f in runs if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in stage["deps"]))
+        assert not missing, f"{name}: deps miss {missing}"
 
 
 def test_compare_stages_write_their_results_outside_the_default_run(project):

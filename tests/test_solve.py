@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from featcal import solve
-from featcal.moments import LinearMoments, NormMoments
+from featcal.calibration import solve
+from featcal.calibration.moments import LinearMoments, NormMoments
 
 
 @pytest.fixture(autouse=True)

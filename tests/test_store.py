@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from featcal.store import read_attrs, read_group, write_group
+from featcal.io.feature_store import read_attrs, read_group, write_group
 
 
 def test_group_round_trips_with_one_shard_per_array(tmp_path):

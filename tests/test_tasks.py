@@ -1,4 +1,4 @@
-"""Tests for featcal.tasks and stages/prepare.py: synthetic file sources plus the builtin loaders."""
+"""Tests for featcal.data.tasks and stages/prepare.py: synthetic file sources plus the builtin loaders."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from featcal import tasks
-from featcal.tasks import BUILTIN_LOADERS, TaskSpec, load_task_frame, split_task, write_task
+from featcal.data import corpora
+from featcal.data.corpora import BUILTIN_LOADERS
+from featcal.data.tasks import TaskSpec, load_task_frame, split_task, write_task
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,7 +100,7 @@ def test_duplicate_texts_are_removed_and_conflicting_labels_dropped(tmp_path):
 
 def test_small_task_shrinks_proportionally_keeps_eval_splits_and_logs(tmp_path, caplog):
     spec = file_task(tmp_path, synthetic((30, 20, 6)))  # 56 rows against 2000/300/500
-    with caplog.at_level(logging.WARNING, logger="featcal.tasks"):
+    with caplog.at_level(logging.WARNING, logger="featcal.data.tasks"):
         splits = split_task(load_task_frame(spec), spec, seed=0)
     sizes = {s: len(f) for s, f in splits.items()}
     assert sum(sizes.values()) == 56
@@ -284,14 +285,14 @@ def test_drug_review_keeps_source_test_split_as_test():
     splits = split_task(frame, spec, seed=0)
     assert len(splits["test"]) == 379 and len(splits["dev"]) > 0
     assert len(splits["train"]) + len(splits["dev"]) == 599  # one train review repeats a test review
-    assert [tasks.drug_rating_class(r) for r in (1, 4, 5, 6, 7, 10)] == [
+    assert [corpora.drug_rating_class(r) for r in (1, 4, 5, 6, 7, 10)] == [
         "negative", "negative", "neutral", "neutral", "positive", "positive"]
 
 
 def test_debate_party_mapping_covers_every_speaker():
     frame = BUILTIN_LOADERS["debate_party"]()
     by_speaker = frame.groupby("speaker")["label"].agg(set).to_dict()
-    assert by_speaker == {s: {p} for s, p in tasks.DEBATE_SPEAKER_PARTY.items()}
+    assert by_speaker == {s: {p} for s, p in corpora.DEBATE_SPEAKER_PARTY.items()}
 
 
 def test_name_gender_skips_unisex_names():

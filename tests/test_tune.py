@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from featcal import tuning as tune
 from featcal.tuning import objective
-from featcal.calibrate import FeatCalConfig
-from featcal.data import TaskSplit
+from featcal.calibration.config import FeatCalConfig
+from featcal.data.splits import TaskSplit
 from conftest import DVC, copy_project, stages_run
 from pg_server import postgres_server
 from tiny_project import ROOT, run

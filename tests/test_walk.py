@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from featcal import merge_models
-from featcal.calibrate import FeatCalConfig, calibrate
+from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.calibrate import calibrate
 from featcal.families import family_for
-from featcal.layerwise import calibrate_cached_layer, collect_expert_layers
-from featcal.lazy import calibrate_lazy
-from featcal.store import StoreFormat, read_group, write_group
+from featcal.calibration.layerwise import calibrate_cached_layer, collect_expert_layers
+from featcal.calibration.lazy import calibrate_lazy
+from featcal.io.feature_store import StoreFormat, read_group, write_group
 from featcal.tuning import TuneProblem
-from featcal.walk import ModuleWeights, walk_all
+from featcal.calibration.walk import ModuleWeights, walk_all
 from conftest import batches_for, perturbed, save_models, tiny_bert
 
 

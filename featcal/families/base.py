@@ -13,6 +13,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
+from featcal.io.models import backbone_of
+
 CALIBRATED_KINDS = ("linear", "layernorm", "rmsnorm")
 KEY_VALUE_NAMES = frozenset({"key", "value", "k_proj", "v_proj", "k", "v"})
 
@@ -85,12 +87,6 @@ def module_kind(module: nn.Module) -> str | None:
     if "RMSNorm" in name or name == "T5LayerNorm":
         return "rmsnorm"
     return None
-
-
-def backbone_of(model: nn.Module) -> nn.Module:
-    """A Hugging Face task model's base model (`model.<base_model_prefix>`), or the model itself."""
-    prefix = getattr(model, "base_model_prefix", "")
-    return getattr(model, prefix) if prefix and hasattr(model, prefix) else model
 
 
 def first_output(out: Any) -> Tensor:

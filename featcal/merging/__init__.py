@@ -28,7 +28,7 @@ from featcal.merging.regmean import RegMeanOptions  # registers regmean, regmean
 from featcal.merging.sigmerge import SigMergeOptions
 from featcal.merging.tsv import TsvOptions  # registers tsv_m
 from featcal.merging.wudi import WudiOptions  # registers wudi
-from featcal import signatures as _signatures  # noqa: F401,E402  (registers sigmerge)
+from featcal.merging import sigmerge_inputs as _signatures  # noqa: F401,E402  (registers sigmerge)
 
 __all__ = [
     "MERGE_METHODS",

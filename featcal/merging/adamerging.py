@@ -16,12 +16,12 @@ Data protocol: the batches are **unlabelled train-split** examples (``MergeConte
 test — the public code adapts on the test split; this is the deviation the spec asks for. The batch
 order is a seeded shuffle per task, cycled; the record says how often each batch was drawn.
 
-How a step runs (``fit_lambda``, the one loop for the in-memory merge and ``featcal.lazy.lazy_merge``):
+How a step runs (``fit_lambda``, the one loop for the in-memory merge and ``featcal.merging.lazy.lazy_merge``):
 each task model runs its whole forward (``functional_call``) with the non-block tensors θ_outer(λ)
 built once per step, and every block k replaced by a checkpointed call
 (``torch.utils.checkpoint``) that builds θ_k(λ) from ``vectors.read`` (θ₀_k and the stacked τ_k)
 and runs the block on it; backward recomputes it. ``vectors`` says where θ₀ and τ come from:
-``HeldTaskVectors`` (in memory, this registry function) or ``featcal.lazy.CheckpointTaskVectors``
+``HeldTaskVectors`` (in memory, this registry function) or ``featcal.merging.lazy.CheckpointTaskVectors``
 (read per call from the checkpoints). Both run the same operations in the same order, so they give
 the same λ and the same merge (bit for bit in ``tests/test_lazy.py``).
 
@@ -50,6 +50,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from featcal.families import Family
+from featcal.io.checkpoints import module_prefix
 from featcal.families.base import first_output
 from featcal.families.llama import CACHE_KWARGS
 from featcal.merging.dense import _check_real
@@ -284,8 +285,6 @@ def adamerging(base: StateDict, experts: Sequence[StateDict], opts: AdaMergingOp
 
 def _backbone_prefix(family: Family, model: nn.Module) -> str:
     """The name prefix of the backbone's tensors inside the task model ("bert." for BERT; "" if bare)."""
-    from featcal.lazy import module_prefix   # featcal.lazy imports the merging package
-
     backbone = family.backbone(model)
     return "" if backbone is model else module_prefix(model, backbone)
 

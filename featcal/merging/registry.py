@@ -10,9 +10,9 @@ A merge method is a function ``fn(base, experts, opts) -> merged`` over *backbon
   holding them; one without needs never sees a context (it stays a pure tensor function).
 - ``whole_model``: whether, for given options, it needs every tensor at once (TIES trimming over
   the whole model). A method without needs and not whole-model acts tensor group by tensor group,
-  so ``featcal.lazy.lazy_merge`` can stream it without a context (``MergeMethod.streams``); of the
+  so ``featcal.merging.lazy.lazy_merge`` can stream it without a context (``MergeMethod.streams``); of the
   data methods, lazy_merge streams RegMean, RegMean++ and AdaMerging given a context
-  (``featcal.lazy.DATA_MERGES``).
+  (``featcal.merging.lazy.DATA_MERGES``).
 - ``report``: an optional writer of the method's figures from its record (SigMerge's heat map).
 
 Adding a method is one ``@register("name", OptionsCls, ...)`` line on that function; no method
@@ -59,7 +59,7 @@ class Need:
 
 
 # The models (base, experts, family) come from the driver (`featcal.merge_models`); the data from
-# whoever calls it (`featcal.compare.merge_context` for the stages).
+# whoever calls it (`featcal.evaluation.compare.merge_context` for the stages).
 NEEDS: dict[str, Need] = {
     "activations": Need(
         ("base", "experts", "family", "batches"),
@@ -226,7 +226,7 @@ def check_context(method: str, context: MergeContext | None, filled: Sequence[st
                  for n in sorted(spec.needs) if any(f in missing for f in NEEDS[n].fields)]
         raise ValueError(
             f"merge method {method!r} needs context that was not given: {'; '.join(needs)}. Pass "
-            "context=MergeContext(...) to featcal.merge_models or featcal.lazy.lazy_merge (they fill base, "
+            "context=MergeContext(...) to featcal.merge_models or featcal.merging.lazy.lazy_merge (they fill base, "
             "experts and family) or merge_state_dicts"
         )
     return context

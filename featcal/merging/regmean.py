@@ -7,7 +7,7 @@ pooler dense when the family has one) with expert weights W_i ∈ ℝ^{m×n}:
   G_i = (1/N_i) Σ_rows x xᵀ      uncentred mean Gram of the module's inputs over all real tokens
                                 (padding masked out) of task i's unlabelled train batches,
   G̃_i = a·G_i + (1−a)·diag(G_i),  off-diagonal entries scaled by a (default 0.95),
-  W_M = (Σ_i W_i G̃_i)(Σ_i G̃_i)⁻¹,  solved in float64 (``featcal.solve.spd_solve``: Cholesky, else
+  W_M = (Σ_i W_i G̃_i)(Σ_i G̃_i)⁻¹,  solved in float64 (``featcal.calibration.solve.spd_solve``: Cholesky, else
                                 an eigendecomposition pseudo-inverse, logged).
 
 The mean (not the sum) gives every task equal weight whatever its token count.
@@ -25,7 +25,7 @@ Activations come from the project's machinery: the family's streams, ``calibrate
 (block forward with input capture), ``moments.LinearMoments`` (float64 sums) and the forward-order
 loop ``walk.walk_blocks``. ``walk_regmean`` is that walk for both methods, whatever holds the
 weights: ``walk.ModuleWeights`` (the registry functions below, models in memory) or
-``lazy.LazyWeights`` (``featcal.lazy.lazy_merge``, checkpoints read block by block). A block's
+``lazy.LazyWeights`` (``featcal.merging.lazy.lazy_merge``, checkpoints read block by block). A block's
 merged tensors are computed from the expert blocks the weights hold (linears solved, the rest
 averaged in the compute dtype) and handed to an ``emit`` callback.
 
@@ -47,13 +47,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from featcal.calibrate import enter_streams, run_capturing
+from featcal.calibration.calibrate import enter_streams, run_capturing
 from featcal.families import Family, module_kind
+from featcal.io.checkpoints import module_prefix
 from featcal.merging.dense import _check_real
 from featcal.merging.registry import MergeContext, StateDict, compute_dtype, register
-from featcal.moments import LinearMoments, gram_of
-from featcal.solve import spd_solve
-from featcal.walk import BlockWeights, ModuleWeights, Streams, walk_blocks
+from featcal.calibration.moments import LinearMoments, gram_of
+from featcal.calibration.solve import spd_solve
+from featcal.calibration.walk import BlockWeights, ModuleWeights, Streams, walk_blocks
 
 Grams = dict[str, dict[str, LinearMoments]]  # module -> task -> moment sums
 
@@ -212,8 +213,6 @@ def walk_regmean(
     final = walk_blocks(weights, streams, step, n_blocks=len(family.blocks(like)), progress=False)
     pooler = family.pooler(like)
     if merged is None and pooler is not None:   # it reads the pooled token of the last block's output
-        from featcal.lazy import module_prefix   # featcal.lazy imports the merging package
-
         scope = module_prefix(like, pooler)[:-1]
         grams: Grams = {scope: {t: LinearMoments() for t in tasks}}
         for task, features in weights.expert_head_features(family, final).items():

@@ -26,13 +26,13 @@ import torch
 from optuna.trial import Trial
 from torch import Tensor, nn
 
-from featcal.calibrate import HYPER_KEYS, FeatCalConfig
-from featcal.data import TaskSplit, batches_from_arrays, read_split
-from featcal.evaluate import score_backbone
+from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
+from featcal.data.splits import TaskSplit, batches_from_arrays, read_split
+from featcal.evaluation.scoring import score_backbone
 from featcal.families import Family, family_for
-from featcal.modeling import load_backbone, load_classifier, load_tokenizer
-from featcal.store import read_group
-from featcal.walk import CachedExpertStates, ModuleWeights, walk_all
+from featcal.io.models import load_backbone, load_classifier, load_tokenizer
+from featcal.io.feature_store import read_group
+from featcal.calibration.walk import CachedExpertStates, ModuleWeights, walk_all
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class TuneProblem:
 
     @torch.no_grad()
     def score(self, backbone: nn.Module) -> dict[str, float]:
-        """Dev accuracy per task, each task's head on `backbone` (`featcal.evaluate.score_backbone`)."""
+        """Dev accuracy per task, each task's head on `backbone` (`featcal.evaluation.scoring.score_backbone`)."""
         return score_backbone(backbone, self._scorers, self.tokenizer, {t: d.split for t, d in self.dev.items()},
                               {t: d.max_length for t, d in self.dev.items()})
 

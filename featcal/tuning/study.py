@@ -32,8 +32,8 @@ import sqlalchemy
 import yaml
 from optuna.trial import FrozenTrial, Trial, TrialState
 
-from featcal.calibrate import HYPER_KEYS, FeatCalConfig
-from featcal.modeling import atomic_file
+from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
+from featcal.io.models import atomic_file
 from featcal.tuning.objective import SearchSpace, TuneProblem, make_objective
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,6 @@ from typing import Mapping, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from .families.base import backbone_of
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
 PACKAGE_PREFIX = "package:"
@@ -30,6 +29,12 @@ PACKAGE_PREFIX = "package:"
 IMPLAUSIBLE_TASK_VECTOR_RATIO = 0.5
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """A Hugging Face task model's base model (`model.<base_model_prefix>`), or the model itself."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return getattr(model, prefix) if prefix and hasattr(model, prefix) else model
 
 
 class NonFiniteWeightsError(ValueError):

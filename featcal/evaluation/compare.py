@@ -20,19 +20,20 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import merge_models
-from .baselines import (
+from featcal.merging.in_memory import merge_models
+from featcal.baselines.surgery import (
     ProbSurgeryConfig, SurgeryClassifier, SurgeryConfig, representations, train_probsurgery, train_surgery,
 )
-from .calibrate import FeatCalConfig, calibrate
-from .corrupt import corrupt_texts
-from .data import Batches, TaskSplit, calibration_subset, fixed_width, read_split, tokenize_batches
-from .merging import MergeContext, data_options, get_method, split_options
-from .merging.sigmerge import plot_admitted
-from .modeling import load_backbone, load_classifier, load_tokenizer, with_backbone
-from .profiling import Measurement, measure
-from .evaluate import score_backbone as score_with_heads
-from .train import accuracy
+from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.calibrate import calibrate
+from featcal.data.corrupt import corrupt_texts
+from featcal.data.splits import Batches, TaskSplit, calibration_subset, fixed_width, read_split, tokenize_batches
+from featcal.merging import MergeContext, data_options, get_method, split_options
+from featcal.merging.sigmerge import plot_admitted
+from featcal.io.models import load_backbone, load_classifier, load_tokenizer, with_backbone
+from featcal.profiling import Measurement, measure
+from featcal.evaluation.scoring import score_backbone as score_with_heads
+from featcal.finetune import accuracy
 
 CALIBRATION_SPLIT = "train"
 

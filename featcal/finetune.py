@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .data import TaskSplit, tokenize_batches
+from featcal.data.splits import TaskSplit, tokenize_batches
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """FeatCal's per-block step: gather moments of module inputs, solve in closed form, advance.
 
-The step only gathers statistics and calls the pure solvers in `featcal.solve`. It holds one
+The step only gathers statistics and calls the pure solvers in `featcal.calibration.solve`. It holds one
 block's activations for the calibration set at a time (the student and expert streams entering
-the block). The loop over blocks is `featcal.walk.walk`, the only one; `calibrate` here is its
+the block). The loop over blocks is `featcal.calibration.walk.walk`, the only one; `calibrate` here is its
 in-memory entry point.
 """
 
@@ -10,25 +10,23 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import solve
-from .families import Family, Stream, family_for, module_kind
-from .moments import PRODUCT_DTYPES, LinearMoments, Moments, NormMoments
-from .profiling import phase
+from featcal.calibration import solve
+from featcal.families import Family, Stream, family_for, module_kind
+from featcal.calibration.config import FeatCalConfig, LayerHyper
+from featcal.calibration.moments import LinearMoments, Moments, NormMoments
+from featcal.profiling import phase
 
 log = logging.getLogger(__name__)
 
-HYPER_KEYS = ("alpha", "rho", "ridge")
-PIPELINE_KEYS = ("use_tuned",)   # keys of the `featcal` params section that are not FeatCal knobs
 
-# Optional hooks for data-parallel runs (see featcal.distributed); both default to "no reduction".
+# Optional hooks for data-parallel runs (see featcal.calibration.distributed); both default to "no reduction".
 # reduce_moments(moments[module][task], modules) -> moments summed over all processes, with every
 #   task present for every module (a process may have held no example of a task);
 # reduce_sums(tensor) -> the tensor summed over all processes.
@@ -36,94 +34,14 @@ MomentReducer = Callable[[dict, Mapping[str, nn.Module]], dict]
 SumReducer = Callable[[Tensor], Tensor]
 
 
-@dataclass(frozen=True)
-class LayerHyper:
-    """α (target interpolation), ρ (anchor blend) and λ (ridge) used for one block."""
-
-    alpha: float
-    rho: float
-    ridge: float
 
 
-def check_hyper(hyper: LayerHyper, where: str) -> None:
-    """α in [0, 1], ρ > 0, λ >= 0, all finite: the ranges FeatCal's formulas are meant for."""
-    if not 0.0 <= hyper.alpha <= 1.0:
-        raise ValueError(f"{where}.alpha must be in [0, 1], got {hyper.alpha}")
-    if not (hyper.rho > 0 and math.isfinite(hyper.rho)):
-        raise ValueError(f"{where}.rho must be a finite number > 0, got {hyper.rho}")
-    if not (hyper.ridge >= 0 and math.isfinite(hyper.ridge)):
-        raise ValueError(f"{where}.ridge must be a finite number >= 0, got {hyper.ridge}")
 
 
-def check_device_name(name: str) -> None:
-    if name not in ("auto", "cpu", "cuda") and not (name.startswith("cuda:") and name[5:].isdigit()):
-        raise ValueError(f"featcal.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
 
 
-def resolve_device(name: str) -> torch.device:
-    """The device a `device` setting means on this machine; asking for CUDA without one is an error."""
-    check_device_name(name)
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"featcal.device is {name!r} but torch sees no CUDA device; use 'auto' or 'cpu'")
-    return torch.device(name)
 
 
-@dataclass
-class FeatCalConfig:
-    """FeatCal's knobs; defaults are the spec's (../shared/spec/featcal.md)."""
-
-    alpha: float = 0.25
-    rho: float = 2.2
-    ridge: float = 0.05
-    pooled_token_weight: float = 0.01
-    calibrate_bias: bool = True
-    calibrate_norms: bool = True
-    calibrate_pooler: bool = False
-    layer_overrides: dict[int, dict[str, float]] = field(default_factory=dict)
-    # how, not what: each batch's moment products in float32 (sums stay float64; the calibrated
-    # weights move by < 1e-5 relative on the demo, README "Calibration cost") or all in float64
-    product_dtype: str = "float32"
-    # where the block forwards, moment products and solves run: "auto" (CUDA when present), "cpu",
-    # "cuda" or "cuda:N"; sums and solves stay float64 there (README "Calibration cost")
-    device: str = "auto"
-
-    def __post_init__(self) -> None:
-        check_hyper(LayerHyper(self.alpha, self.rho, self.ridge), "featcal")
-        check_device_name(self.device)
-        if self.product_dtype not in PRODUCT_DTYPES:
-            raise ValueError(f"featcal.product_dtype must be one of {sorted(PRODUCT_DTYPES)}, got {self.product_dtype!r}")
-        if not 0.0 <= self.pooled_token_weight <= 1.0:
-            raise ValueError(f"featcal.pooled_token_weight must be in [0, 1], got {self.pooled_token_weight}")
-        overrides = {}
-        for layer, values in (self.layer_overrides or {}).items():
-            bad = set(values) - set(HYPER_KEYS)
-            if bad:
-                raise ValueError(f"featcal.layer_overrides[{layer}]: unknown keys {sorted(bad)}; allowed {HYPER_KEYS}")
-            overrides[int(layer)] = dict(values)
-        self.layer_overrides = overrides
-        for layer in overrides:
-            check_hyper(self.for_layer(layer), f"featcal.layer_overrides[{layer}]")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping) -> "FeatCalConfig":
-        # `use_tuned` is the pipeline's switch to tuned values (stages/gen_chain.py), not a knob
-        values = {k: v for k, v in values.items() if k not in PIPELINE_KEYS}
-        known = set(cls.__dataclass_fields__)
-        bad = set(values) - known
-        if bad:
-            raise ValueError(f"featcal params: unknown keys {sorted(bad)}; known keys {sorted(known)}")
-        return cls(**dict(values))
-
-    @property
-    def products(self) -> torch.dtype:
-        return PRODUCT_DTYPES[self.product_dtype]
-
-    def for_layer(self, index: int) -> LayerHyper:
-        values = {"alpha": self.alpha, "rho": self.rho, "ridge": self.ridge}
-        values.update(self.layer_overrides.get(index, {}))
-        return LayerHyper(**{k: float(v) for k, v in values.items()})
 
 
 # --- capturing module inputs ---------------------------------------------------------------------
@@ -502,15 +420,15 @@ def calibrate(
     reduce_moments: MomentReducer | None = None,
     reduce_sums: SumReducer | None = None,
 ) -> CalibrationResult:
-    """FeatCal in forward order on a merged model, everything in memory (`featcal.walk`).
+    """FeatCal in forward order on a merged model, everything in memory (`featcal.calibration.walk`).
 
     `merged`, `base` and each `experts[task]` are models of one family (full task models or bare
     backbones); `batches[task]` are tokenised calibration batches of that task (labels unused).
     Returns the calibrated backbone (a copy unless `inplace`). `reduce_moments` / `reduce_sums`
-    make it one process of a data-parallel run (`featcal.distributed`); by default none.
-    For experts read one layer at a time from safetensors files, see `featcal.lazy.calibrate_lazy`.
+    make it one process of a data-parallel run (`featcal.calibration.distributed`); by default none.
+    For experts read one layer at a time from safetensors files, see `featcal.calibration.lazy.calibrate_lazy`.
     """
-    from .walk import ModuleWeights, walk_all  # the walk builds on this module's per-block steps
+    from featcal.calibration.walk import ModuleWeights, walk_all  # the walk builds on this module's per-block steps
 
     family = family or family_for(merged)
     check_tasks(batches, experts)

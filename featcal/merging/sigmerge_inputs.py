@@ -18,9 +18,9 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from .families import Family
-from .merging.registry import MergeContext, StateDict, merge_state_dicts, register
-from .merging.sigmerge import SigMergeOptions, plot_admitted, sigmerge
+from featcal.families import Family
+from featcal.merging.registry import MergeContext, StateDict, merge_state_dicts, register
+from featcal.merging.sigmerge import SigMergeOptions, plot_admitted, sigmerge
 
 
 @torch.no_grad()

@@ -3,8 +3,8 @@
 `collect_expert_layers` runs every expert through its blocks in lockstep and yields one layer of
 states at a time; `calibrate_cached_layer` walks one block from the cached states entering it.
 Both read from each checkpoint only the tensors of the block they work on (plus the embeddings
-a stream needs to enter), through `featcal.lazy.LazyWeights`, and both run the one walk
-(`featcal.walk`). Chained over every block they compute exactly what `featcal.calibrate.calibrate`
+a stream needs to enter), through `featcal.calibration.lazy.LazyWeights`, and both run the one walk
+(`featcal.calibration.walk`). Chained over every block they compute exactly what `featcal.calibration.calibrate.calibrate`
 computes in one process.
 """
 
@@ -16,11 +16,15 @@ from typing import Callable, Iterator, Mapping
 
 from torch import Tensor
 
-from .calibrate import FeatCalConfig, LayerDrift, ModuleReport, MomentReducer, SumReducer, enter_streams
-from .families import family_for
-from .lazy import CheckpointReader, LazyBackbone, LazyWeights, block_prefixes, empty_backbone, module_prefix, outer_prefixes
-from .moments import Moments
-from .walk import Batches, CachedExpertStates, expert_layer_states, require_uniform, split_like, stack_hidden, walk
+from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.calibrate import enter_streams, LayerDrift, ModuleReport, MomentReducer, SumReducer
+from featcal.families import family_for
+from featcal.io.checkpoints import (
+    block_prefixes, CheckpointReader, empty_backbone, LazyBackbone, module_prefix, outer_prefixes,
+)
+from featcal.calibration.lazy import LazyWeights
+from featcal.calibration.moments import Moments
+from featcal.calibration.walk import Batches, CachedExpertStates, expert_layer_states, require_uniform, split_like, stack_hidden, walk
 
 PathLike = str | os.PathLike
 

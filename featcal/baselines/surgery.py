@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers.modeling_outputs import SequenceClassifierOutput
 
-from .modeling import atomic_dir
+from featcal.io.models import atomic_dir
 
 CALIBRATION_SPLIT = "train"
 KINDS = ("surgery", "probsurgery")

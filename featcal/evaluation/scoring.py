@@ -8,12 +8,12 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from .calibrate import LayerDrift, block_drift, enter_streams
-from .data import TaskSplit
-from .families import Family
-from .lazy import with_backbone_assigned
-from .train import accuracy
-from .walk import ModuleWeights, Streams, require_uniform, split_like
+from featcal.calibration.calibrate import block_drift, enter_streams, LayerDrift
+from featcal.data.splits import TaskSplit
+from featcal.families import Family
+from featcal.io.checkpoints import with_backbone_assigned
+from featcal.finetune import accuracy
+from featcal.calibration.walk import ModuleWeights, Streams, require_uniform, split_like
 
 Batches = Mapping[str, list[Mapping[str, Tensor]]]
 DRIFT_BATCH_SIZE = 32   # examples per batch when drift is measured on test examples
@@ -64,7 +64,7 @@ def score_backbone(backbone: nn.Module, heads: Mapping[str, nn.Module], tokenize
                    max_length: Mapping[str, int]) -> dict[str, float]:
     """Accuracy per task of `backbone` under each task's head: the one scorer of the project.
 
-    `heads[task]` is a task model (an expert, or a `featcal.lazy.load_head` model) whose backbone is
+    `heads[task]` is a task model (an expert, or a `featcal.io.checkpoints.load_head` model) whose backbone is
     replaced by `backbone`'s parameters (shared, not copied); only tasks in `heads` are scored."""
     return {t: accuracy(with_backbone_assigned(heads[t], backbone), tokenizer, splits[t], max_length[t]) for t in heads}
 

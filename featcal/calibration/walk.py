@@ -8,10 +8,10 @@ After the last block of the model, optionally the pooler pseudo-layer.
 Three things differ between callers, and each is passed in:
 
 - where weights come from (`BlockWeights`): modules in memory (`ModuleWeights`), or tensors read
-  per block from safetensors folders (`featcal.lazy.LazyWeights`);
+  per block from safetensors folders (`featcal.calibration.lazy.LazyWeights`);
 - where the experts' states come from (`ExpertStates`): carried forward by the walk itself
   (`CarriedExpertStates`), or read per layer from a cache (`CachedExpertStates`);
-- how sums are reduced across processes (`reduce_moments`, `reduce_sums`; `featcal.distributed`).
+- how sums are reduced across processes (`reduce_moments`, `reduce_sums`; `featcal.calibration.distributed`).
 
 The in-process API walks 0..L in memory; `calibrate_lazy` walks 0..L with lazy weights; a tune
 trial walks 0..L with cached expert states; a `calibrate-layer@Lk` stage walks block k alone with
@@ -28,21 +28,13 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from .calibrate import (
-    BlockResult,
-    FeatCalConfig,
-    LayerDrift,
-    ModuleReport,
-    MomentReducer,
-    SumReducer,
-    calibrate_block,
-    calibrate_pooler,
-    enter_streams,
-    resolve_device,
+from featcal.calibration.calibrate import (
+    BlockResult, calibrate_block, calibrate_pooler, enter_streams, LayerDrift, ModuleReport, MomentReducer, SumReducer,
 )
-from .families import Family, Stream
-from .families.base import to_device
-from .profiling import phase
+from featcal.calibration.config import FeatCalConfig, resolve_device
+from featcal.families import Family, Stream
+from featcal.families.base import to_device
+from featcal.profiling import phase
 
 Streams = dict[str, list[Stream]]
 Batches = Mapping[str, Sequence[Mapping[str, Tensor]]]
@@ -266,7 +258,7 @@ def require_uniform(family: Family) -> None:
     if not family.uniform_block_inputs:
         raise ValueError(
             f"cached per-layer states need blocks that share their extra inputs; family {family.name!r} "
-            "does not (calibrate in one process with featcal.calibrate instead)"
+            "does not (calibrate in one process with featcal.calibration.calibrate instead)"
         )
 
 

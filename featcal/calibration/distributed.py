@@ -7,7 +7,7 @@ system and holds the same calibrated block; drift totals are all-reduced the sam
 writes outputs. Without torchrun (no WORLD_SIZE in the environment) everything runs in one
 process and no reduction happens.
 
-    torchrun --standalone --nproc_per_node 2 -m featcal.distributed \\
+    torchrun --standalone --nproc_per_node 2 -m featcal.calibration.distributed \\
         --merged models/merged --base base/ --expert bbc=experts/bbc --expert imdb=experts/imdb \\
         --batches calib_batches.pt --out models/featcal [--lazy] [--alpha 0.25 ...]
 
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .calibrate import projects_cross
-from .families import module_kind
-from .moments import LinearMoments, Moments, NormMoments, moments_to_arrays
+from featcal.calibration.calibrate import projects_cross
+from featcal.families import module_kind
+from featcal.calibration.moments import LinearMoments, Moments, NormMoments, moments_to_arrays
 
 T = TypeVar("T")
 
@@ -241,8 +241,8 @@ def calibrate_distributed(
     memory (`base`, `experts`) or read lazily per block from folders (`base_dir`, `expert_dirs`).
     In one process this is exactly `calibrate` / `calibrate_lazy`.
     """
-    from .calibrate import calibrate
-    from .lazy import calibrate_lazy
+    from featcal.calibration.calibrate import calibrate
+    from featcal.calibration.lazy import calibrate_lazy
 
     local = shard_batches(batches)
     reducer = AllReduceMoments(list(batches))
@@ -271,7 +271,7 @@ def state_digest(module: nn.Module) -> str:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m featcal.distributed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m featcal.calibration.distributed", description=__doc__.split("\n\n")[0])
     p.add_argument("--merged", required=True, help="merged model folder (AutoModel)")
     p.add_argument("--base", required=True, help="base model folder")
     p.add_argument("--expert", action="append", required=True, metavar="TASK=DIR", help="one per task")
@@ -288,8 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     from transformers import AutoModel
 
-    from .calibrate import FeatCalConfig
-    from .modeling import atomic_dir, write_json
+    from featcal.calibration.config import FeatCalConfig
+    from featcal.io.models import atomic_dir, write_json
 
     experts = {}
     for item in args.expert:
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 merged, batches, config, base=load(args.base), experts={t: load(p) for t, p in experts.items()}
             )
         digest = state_digest(result.backbone)
-        print(f"featcal.distributed rank {rank()}/{world_size()} digest {digest}", flush=True)
+        print(f"featcal.calibration.distributed rank {rank()}/{world_size()} digest {digest}", flush=True)
         if is_main():
             with atomic_dir(args.out) as tmp:
                 result.backbone.save_pretrained(tmp)

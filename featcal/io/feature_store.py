@@ -21,7 +21,7 @@ import torch
 import zarr
 from zarr.codecs import Crc32cCodec, GzipCodec, ZstdCodec
 
-from .modeling import atomic_dir
+from featcal.io.models import atomic_dir
 
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

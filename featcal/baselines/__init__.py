@@ -1,0 +1,1 @@
+"""Post-merge baselines FeatCal is compared against: Representation Surgery and ProbSurgery."""

@@ -1,0 +1,1 @@
+"""Task data: the task spec, demo corpora, splitting, tokenised batches, corruptions."""

@@ -1,0 +1,1 @@
+"""Measuring models: accuracy and drift, the method comparison harness, plots."""

@@ -1,0 +1,1 @@
+"""Reading and writing: model folders, lazily read checkpoints, per-layer zarr caches, atomic writes."""

@@ -1,0 +1,43 @@
+"""The in-memory merge driver: models loaded whole, the method's context filled with them."""
+
+from __future__ import annotations
+
+import copy
+from typing import Mapping
+
+from torch import nn
+
+from featcal.families import family_for
+from featcal.io.models import check_experts_fit_base
+from featcal.merging.registry import MergeContext, merge_state_dicts
+
+
+def merge_models(
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    method: str = "task_arithmetic",
+    options: Mapping | None = None,
+    context: MergeContext | None = None,
+) -> nn.Module:
+    """A copy of the base backbone holding the merge of the experts' backbones (heads untouched).
+
+    Experts of another model type than the base, or with other tensors, or with NaN/Inf weights
+    are refused; an expert that looks like no fine-tune of the base gets a warning. A data method
+    (RegMean, AdaMerging, SigMerge, ...) reads `context`: this driver fills its models (the base
+    backbone, the experts in order, their family); the caller gives the data (train batches, dev
+    scoring). Whatever the method reports lands in `context.record`.
+    """
+    family = family_for(base)
+    check_experts_fit_base(base, experts)
+    merged = copy.deepcopy(family.backbone(base))
+    context = MergeContext() if context is None else context
+    context.base = family.backbone(base).eval() if context.base is None else context.base
+    context.experts = dict(experts) if context.experts is None else context.experts
+    context.family = family if context.family is None else context.family
+    if list(context.experts) != list(experts):
+        raise ValueError(f"the context's experts {list(context.experts)} are not the experts merged {list(experts)}")
+    state = merge_state_dicts(
+        method, merged.state_dict(), [family.backbone(m).state_dict() for m in experts.values()], options, context
+    )
+    merged.load_state_dict(state)
+    return merged.eval()
