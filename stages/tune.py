@@ -1,17 +1,18 @@
 """DVC stage `tune@dev`: search FeatCal's α, ρ, λ with Optuna on the dev split (featcal.tuning).
 
 Brings the study (--storage, else $FEATCAL_TUNE_STORAGE, else tune.storage, else sqlite at
---snapshot) up to tune.n_trials (or --n-trials), then writes the best values to --best (read by
-calibrate-layer@* when featcal.use_tuned: true), a summary to --summary and, when the study lives
-in a server database, a sqlite snapshot at --snapshot. More workers, on this or other machines,
-run this same script from the project root: `python stages/tune.py --storage URL --n-trials N`.
+tune/study.db) up to tune.n_trials (or --n-trials). The stage (dvc.yaml gives every path) then
+writes the best values to --best (read by calibrate-layer@* when featcal.use_tuned: true), a
+summary to --summary and, when the study lives in a server database, a sqlite snapshot at
+--snapshot. More workers, on this or other machines, run this same script from the project root
+without those three: `python stages/tune.py --storage URL --n-trials N` adds trials, writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from pathlib import Path
 
 from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
 
@@ -22,6 +23,8 @@ from featcal.tuning import (
     write_best,
 )
 from featcal.tuning.study import snapshot_to_sqlite
+
+DEFAULT_SQLITE = "tune/study.db"
 
 
 def positive_int(text: str) -> int:
@@ -44,9 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--merged", default="models/merged", help="the merged multi-task model folder")
     parser.add_argument("--experts", default="experts", help="folder of the experts, one sub-folder per task")
     parser.add_argument("--features", default="features/experts", help="the experts' cached states (zarr)")
-    parser.add_argument("--best", default="tune/best.yaml", help="where the best values are written")
-    parser.add_argument("--summary", default="results/tune.json", help="where the study summary is written")
-    parser.add_argument("--snapshot", default="tune/study.db", help="sqlite copy of a server-side study")
+    parser.add_argument("--best", help="where the best values are written (the stage: tune/best.yaml)")
+    parser.add_argument("--summary", help="where the study summary is written (the stage: results/tune.json)")
+    parser.add_argument("--snapshot", help="sqlite copy of a server-side study (the stage: tune/study.db)")
     return parser.parse_args(argv)
 
 
@@ -56,15 +59,15 @@ def main(argv: list[str] | None = None) -> None:
     params = load_params(args.params)   # the whole params file checked before any model loads
     settings = get(params, "tune", {}) or {}
     storage = (args.storage or os.environ.get("FEATCAL_TUNE_STORAGE") or settings.get("storage")
-               or f"sqlite:///{args.snapshot}")
+               or f"sqlite:///{args.snapshot or DEFAULT_SQLITE}")
     study_name = args.study_name or settings.get("study_name", DEFAULT_STUDY)
     n_trials = args.n_trials or int(settings.get("n_trials", 24))
     base = FeatCalConfig.from_mapping(get(params, "featcal"))
     space = SearchSpace.from_mapping(settings["search"]) if settings.get("search") else SearchSpace()
     tasks = enabled_tasks(params)
-    with timed("tune"):
+    stage = args.best or args.summary or args.snapshot   # the DVC stage, not an extra worker: record timing
+    with timed("tune") if stage else contextlib.nullcontext():
         try:
-            Path(args.snapshot).parent.mkdir(parents=True, exist_ok=True)
             make_storage(storage)   # an empty or damaged study file fails here, before any model loads
             problem = load_problem(base=get(params, "model.base"), tasks=tasks,
                                    max_length={t: max_length(params, t) for t in tasks},
@@ -79,9 +82,12 @@ def main(argv: list[str] | None = None) -> None:
         except (ValueError, KeyError, OSError, StudyMismatchError, StudyStorageError) as err:
             # a bad input, said in one line (what, where, the fix) instead of a traceback
             raise SystemExit(f"tune: error: {err.args[0] if isinstance(err, KeyError) and err.args else err}") from None
-        write_best(args.best, outcome.study, base)
-        write_json(args.summary, outcome.summary)
-        snapshot_to_sqlite(outcome.study, storage, args.snapshot)
+        if args.best:
+            write_best(args.best, outcome.study, base)
+        if args.summary:
+            write_json(args.summary, outcome.summary)
+        if args.snapshot:
+            snapshot_to_sqlite(outcome.study, storage, args.snapshot)
     best = outcome.summary.get("best", {})
     print(f"study {outcome.study.study_name}: ran {len(outcome.ran)} new trials {outcome.ran}, "
           f"{outcome.summary['trials']['complete']} complete; best trial {best.get('trial')} "

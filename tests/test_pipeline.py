@@ -16,7 +16,10 @@ from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.calibrate import calibrate
 from featcal.data.splits import batches_from_arrays
 from featcal.io.models import load_backbone, load_classifier
+from featcal.evaluation import compare as cmp
 from featcal.io.feature_store import read_group
+from featcal.merging import split_options
+from featcal.merging.in_memory import merge_models
 
 import featcal
 from conftest import UPSTREAM, copy_project, stages_run, stages_skipped
@@ -195,6 +198,35 @@ def test_sigmerge_as_the_pipeline_merge_feeds_the_calibration_chain(project):
         # nothing admitted: SigMerge returned the anchor bit for bit, so DVC sees the same merged
         # model (the TA merge it replaced) and keeps the calibration
         assert not chain & ran, out
+
+
+@pytest.mark.parametrize("method", ["regmean_plus_plus", "adamerging"])
+def test_the_merge_stage_streams_a_data_method_and_equals_the_in_memory_merge(project, tmp_path, method):
+    """RegMean++ / AdaMerging as the pipeline's merge: the stage reads the checkpoints block by block
+    (lazy_merge) with train batches built from the task data alone, and writes the tensors that
+    merge_models gives with the experts in memory and the same context."""
+    project, _ = project
+    work = tmp_path / "merge"
+    shutil.copytree(project, work, symlinks=True, ignore=shutil.ignore_patterns(".dvc", ".git"))
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    options = {"examples_per_task": 6, **({"steps": 2, "batches_per_step": 1} if method == "adamerging" else {})}
+    params["merge"] = {"method": method, "options": options}
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = run([sys.executable, "stages/merge.py", "--experts", "experts", "--out", "merged", "--record", "record"], work)
+    assert f"with {method} -> merged" in out, out
+    record = json.loads((work / "record/record.json").read_text())
+    assert record["method"] == method and record["data"] == {"examples_per_task": 6}
+
+    tasks = list(params["tasks"])
+    bench = cmp.load_workbench(params["model"]["base"], {t: str(work / "experts" / t) for t in tasks},
+                               str(work / params["tasks_dir"]), {t: 16 for t in tasks}, int(params["seed"]))
+    merge_options, data = split_options(method, options)
+    context = cmp.merge_context(bench, method, data)
+    expected = merge_models(bench.base, bench.experts, method, merge_options, context).state_dict()
+    streamed = load_backbone(str(work / "merged")).state_dict()
+    assert list(streamed) == list(expected)
+    for name in expected:
+        torch.testing.assert_close(streamed[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_stages_under_torchrun_give_the_one_process_weights_in_float64(project, tmp_path):

@@ -59,13 +59,26 @@ class Workbench:
         return self._splits[task, split]
 
 
+@dataclass
+class TaskData:
+    """What a calibration sample needs and no model: the tasks, their splits, the tokenizer, lengths,
+    seed and batch size (a `Workbench` has the same fields, and the models besides)."""
+
+    tasks: list[str]
+    tokenizer: object
+    tasks_dir: str
+    lengths: dict[str, int]
+    seed: int = 0
+    batch_size: int = 16
+
+
 def load_workbench(base_ref: str, expert_dirs: Mapping[str, str], tasks_dir: str, lengths: Mapping[str, int],
                    seed: int = 0, batch_size: int = 16) -> Workbench:
     experts = {t: load_classifier(d) for t, d in expert_dirs.items()}
     return Workbench(load_backbone(base_ref), experts, load_tokenizer(base_ref), tasks_dir, dict(lengths), seed, batch_size)
 
 
-def calibration_texts(bench: Workbench, n: int, corruption: tuple[str, float] | None = None) -> dict[str, list[str]]:
+def calibration_texts(bench: Workbench | TaskData, n: int, corruption: tuple[str, float] | None = None) -> dict[str, list[str]]:
     """n train examples per task (seeded), optionally corrupted; labels are dropped here."""
     out = {}
     for task in bench.tasks:
@@ -76,7 +89,7 @@ def calibration_texts(bench: Workbench, n: int, corruption: tuple[str, float] | 
     return out
 
 
-def to_batches(bench: Workbench, texts: Mapping[str, list[str]]) -> Batches:
+def to_batches(bench: Workbench | TaskData, texts: Mapping[str, list[str]]) -> Batches:
     return {
         t: tokenize_batches(bench.tokenizer, x, bench.lengths[t], bench.batch_size,
                             pad_to=fixed_width(bench.tokenizer, x, bench.lengths[t]))
@@ -88,10 +101,11 @@ def merge(bench: Workbench, method: str, options: Mapping | None = None, context
     return merge_models(bench.base, bench.experts, method, options, context)
 
 
-def merge_context(bench: Workbench, method: str, data: Mapping[str, int] | None = None) -> MergeContext:
+def merge_context(bench: Workbench | TaskData, method: str, data: Mapping[str, int] | None = None) -> MergeContext:
     """The data `method` declares it needs, from the workbench (`data`: how much of it, e.g.
     {"examples_per_task": 256}; defaults from `featcal.merging.NEEDS`). Train batches are a seeded
-    sample of the train split, labels dropped; dev scores read the dev split; nothing reads test."""
+    sample of the train split, labels dropped; dev scores read the dev split; nothing reads test.
+    Train batches and shared examples need no model (`TaskData` is enough); dev scores do."""
     needs = get_method(method).needs
     data = {**data_options(method), **dict(data or {})}
     context = MergeContext()
