@@ -2,8 +2,7 @@
 
 Both train one small module per task on the merged model's final representation f_M(x) (the
 representation the task head reads) so that it matches the expert's f_t(x); the deployed model
-then carries one extra module per task (../shared/spec/merging.md, "Post-merge calibration
-baselines").
+then carries one extra module per task (docs/algorithms.md#post-merge-baselines).
 
 - Surgery: f̂ = f_M − up(ReLU(down(f_M))), down = Linear(d, 16), up = Linear(16, d) zero-initialised.
 - ProbSurgery: h = ReLU(up(f_M)), μ = mean(h), logvar = logvar(h) (heads zero-initialised);
@@ -110,7 +109,7 @@ def gaussian_kl(mu: Tensor, logvar: Tensor) -> Tensor:
 
 @dataclass
 class SurgeryConfig:
-    """Representation Surgery's training knobs; defaults are the spec's."""
+    """Representation Surgery's training knobs; defaults: docs/algorithms.md#representation-surgery."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -128,7 +127,7 @@ class SurgeryConfig:
 
 @dataclass
 class ProbSurgeryConfig:
-    """ProbSurgery's training knobs; defaults are the spec's (5 × 800 steps of batch 16)."""
+    """ProbSurgery's training knobs; defaults: docs/algorithms.md#probsurgery (5 × 800 steps of batch 16)."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -157,7 +156,7 @@ def check_calibration_split(split: str) -> None:
         raise ValueError(
             f"split={split!r}: the Surgery/ProbSurgery baselines only ever adapt on the calibration "
             f"({CALIBRATION_SPLIT}) split; dev is for choosing hyperparameters and test is read once, "
-            "for the final report (see the protocol in shared/spec/featcal.md)"
+            "for the final report (see docs/algorithms.md#conventions)"
         )
 
 
@@ -249,7 +248,7 @@ def train_surgery(
     """One Surgery module per task, trained on cached representations of calibration examples.
 
     `split` names where the features came from and must be "train" (the calibration split);
-    `config=None` takes the spec's defaults.
+    `config=None` takes the documented defaults (docs/algorithms.md#post-merge-baselines).
 
     Each iteration takes `batches_per_iteration` batches of `batch_size` per task; the loss is the
     sum over tasks and batches of mean L1(f̂_t, f_t); one Adam step per iteration.
@@ -272,7 +271,7 @@ def train_probsurgery(
 ) -> dict[str, ProbSurgeryModule]:
     """One ProbSurgery module per task, trained on cached representations of calibration examples.
 
-    `split` must be "train" (the calibration split); `config=None` takes the spec's defaults.
+    `split` must be "train" (the calibration split); `config=None` takes the documented defaults (docs/algorithms.md#post-merge-baselines).
 
     Each step takes one batch per task; loss = Σ_t [mean L1(f̂_t, f_t) + kl_weight · KL_t], with
     f̂_t = f_M − (μ + exp(½ logvar)·ε); one Adam step per step. The modules come back in eval mode

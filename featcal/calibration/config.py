@@ -56,7 +56,7 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass
 class FeatCalConfig:
-    """FeatCal's knobs; defaults are the spec's (../shared/spec/featcal.md)."""
+    """FeatCal's knobs; their defaults and meaning: docs/algorithms.md#featcal."""
 
     alpha: float = 0.25
     rho: float = 2.2
@@ -67,10 +67,10 @@ class FeatCalConfig:
     calibrate_pooler: bool = False
     layer_overrides: dict[int, dict[str, float]] = field(default_factory=dict)
     # how, not what: each batch's moment products in float32 (sums stay float64; the calibrated
-    # weights move by < 1e-5 relative on the demo, README "Calibration cost") or all in float64
+    # weights move by < 1e-5 relative on the demo, docs/results.md, "what calibration costs") or all in float64
     product_dtype: str = "float32"
     # where the block forwards, moment products and solves run: "auto" (CUDA when present), "cpu",
-    # "cuda" or "cuda:N"; sums and solves stay float64 there (README "Calibration cost")
+    # "cuda" or "cuda:N"; sums and solves stay float64 there (docs/results.md)
     device: str = "auto"
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """FeatCal's closed forms as pure tensor functions (no model, no I/O).
 
 Every function takes float64 statistics and returns float64 parameters; the caller casts back.
-Notation follows ../shared/spec/featcal.md: per task i, G_i = E[x_s x_sᵀ], K_i = E[x_e x_sᵀ],
+Notation follows docs/algorithms.md#featcal: per task i, G_i = E[x_s x_sᵀ], K_i = E[x_e x_sᵀ],
 C_i = α K_i + (1−α) G_i, ω_i = 1 / max(‖G_i‖_F, ε).
 """
 

@@ -1,5 +1,5 @@
 """Layer-wise AdaMerging (Yang et al., "AdaMerging: Adaptive Model Merging for Multi-Task Learning",
-ICLR 2024, arXiv:2310.02575); ../shared/spec/anchors.md §8.
+ICLR 2024, arXiv:2310.02575); docs/algorithms.md#layer-wise-adamerging.
 
 One coefficient per parameter tensor and task, λ ∈ ℝ^{P×T} (a "layer" is a tensor, as in the
 reference code), every floating backbone tensor included:
@@ -13,7 +13,7 @@ step per draw of ``batches_per_step`` batches per task. The clamp acts on the ra
 dropout); only λ gets gradients.
 
 Data protocol: the batches are **unlabelled train-split** examples (``MergeContext.batches``), never
-test — the public code adapts on the test split; this is the deviation the spec asks for. The batch
+test — the public code adapts on the test split; a deliberate deviation (docs/algorithms.md#layer-wise-adamerging). The batch
 order is a seeded shuffle per task, cycled; the record says how often each batch was drawn.
 
 How a step runs (``fit_lambda``, the one loop for the in-memory merge and ``featcal.merging.lazy.lazy_merge``):
@@ -60,7 +60,7 @@ from featcal.merging.regmean import check_batches
 
 @dataclass(frozen=True)
 class AdaMergingOptions:
-    """Layer-wise AdaMerging options (defaults: the official code, spec §8).
+    """Layer-wise AdaMerging options (defaults: the official code; docs/algorithms.md#layer-wise-adamerging).
 
     steps: Adam steps (default 500, the paper's; 0 returns Task Arithmetic with λ = init).
     lr: Adam learning rate (default 1e-3).

@@ -54,7 +54,7 @@ class AverageOptions:
 class TaskArithmeticOptions:
     """Task Arithmetic: θ = θ₀ + s Σ_t τ_t.
 
-    scale: s (default 0.3, the spec's default; the original papers tune s in 0.1..1.0 on dev).
+    scale: s (default 0.3, docs/algorithms.md#task-arithmetic; the original papers tune s in 0.1..1.0 on dev).
     """
 
     scale: float = 0.3
@@ -72,7 +72,7 @@ class TiesOptions:
         [0, n]; mergekit truncates to ⌊k·n⌋ instead, so where k·n has a fractional part >= 1/2
         this keeps one entry more than mergekit), ties at the threshold broken by lowest index;
         k = 0 keeps nothing, so the result is θ₀.
-    scale: s (default 0.3, chosen to match Task Arithmetic since the spec gives no TIES default;
+    scale: s (default 0.3, chosen to match Task Arithmetic since no TIES default is prescribed;
         the TIES paper tunes s on a validation split and often lands near 1.0, because τ_m is a
         mean rather than a sum).
     scope: "tensor" (default; trim each tensor of τ_t separately, as mergekit does, but with the

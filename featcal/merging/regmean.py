@@ -1,5 +1,5 @@
 """RegMean (Jin et al., "Dataless Knowledge Fusion by Merging Weights of Language Models", ICLR 2023,
-arXiv:2212.09849) and RegMean++ (Nguyen et al., 2025, arXiv:2508.03121); ../shared/spec/anchors.md §2–3.
+arXiv:2212.09849) and RegMean++ (Nguyen et al., 2025, arXiv:2508.03121); docs/algorithms.md#regmean-and-regmean.
 
 Per nn.Linear module (the linears of ``family.calibrated_modules`` in every block; RegMean also the
 pooler dense when the family has one) with expert weights W_i ∈ ℝ^{m×n}:

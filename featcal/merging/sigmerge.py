@@ -14,7 +14,7 @@ number of task-vector coordinates per block and per domain, without search or tr
    block i's still-unclaimed coordinates with τ_{s(d)} ≠ 0, their quota of largest |τ_{s(d)}|
    (ties by lower index); θ̂ = θ_A + Σ_d M_d ⊙ γ(θ_{s(d)} − θ_A).
 
-Conventions (readings this module adopts where the spec leaves room):
+Conventions (readings this module adopts where the method's description leaves room; docs/algorithms.md#sigmerge):
 - τ_e = θ_e − θ₀ (expert minus *base*), both for the signals and for the claiming ranking; the
   increment that is admitted is the one towards the source expert from the *anchor*.
 - A block's coordinates are the concatenation, in the base dict's order, of the flattened floating

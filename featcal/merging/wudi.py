@@ -47,7 +47,7 @@ class WudiOptions:
         "average" (FusionBench: mean of τ, i.e. weight averaging).
     exclude: regular expressions (``re.search`` on the tensor name) of 2-D tensors not optimised
         (they follow ``others``). Default: the embedding tables (``EMBEDDING_PATTERNS``), which the
-        official code leaves at θ₀ and the spec excludes by default; [] optimises every 2-D tensor
+        official code leaves at θ₀ and this project excludes by default (docs/algorithms.md#wudi); [] optimises every 2-D tensor
         (FusionBench).
     The method has no randomness: the result is a deterministic function of the inputs.
     """
