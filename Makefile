@@ -4,6 +4,8 @@ STAMP   := .venv/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
+# The browser test (tests/test_report.py) drives Debian's chromium: Playwright never downloads its own.
+export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD := 1
 export TOKENIZERS_PARALLELISM := false
 # Progress bars refresh in place on a terminal; into a file (CI, `make repro > log`) at most every
 # 30 s, so a bar is a few lines, not one per refresh. transformers' per-load bars are off.
@@ -72,3 +74,10 @@ clean:
 .PHONY: bench-lazy
 bench-lazy: setup
 	$(PY) bench/pipeline_lazy.py
+
+# One static page of the results, to open offline (no network, images embedded): results/report.html.
+# Reads results/metrics.json, results/compare.json if it exists, and the plots under results/plots.
+.PHONY: report
+report: setup
+	$(PY) stages/report.py --metrics results/metrics.json --compare results/compare.json \
+	  --plots results/plots --out results/report.html

@@ -20,7 +20,7 @@ from featcal.evaluation import compare as cmp
 from featcal.baselines.surgery import ProbSurgeryConfig, SurgeryConfig
 from featcal.calibration.config import FeatCalConfig
 from featcal.io.models import write_json
-from featcal.evaluation.plots import plot_lines
+from featcal.evaluation.plots import plot_compare, plot_corruption, plot_lines
 
 
 def main() -> None:
@@ -29,11 +29,11 @@ def main() -> None:
     parser.add_argument("--experts", required=True, help="folder of the experts, one sub-folder per task")
     parser.add_argument("--out", required=True, help="where the results (JSON) are written")
     parser.add_argument("--detail", help="sample-efficiency: where the per-size detail (JSON) is written")
-    parser.add_argument("--plots", help="sample-efficiency: the curve's PNG; sigmerge: the folder of heat maps")
+    parser.add_argument("--plots", required=True,
+                        help="compare: the grouped bar chart's PNG; sample-efficiency: the curve's PNG; "
+                             "corruption: the bar chart's PNG; sigmerge: the folder of heat maps")
     args = parser.parse_args()
     what = args.what
-    if what in ("sample-efficiency", "sigmerge") and not args.plots:
-        parser.error(f"{what} needs --plots")
     setup_logging()
     params = load_params()
     tasks = enabled_tasks(params)
@@ -69,6 +69,7 @@ def main() -> None:
             out["anchors"][anchor] = {**row, "merged": cmp.summarise(merged_scores, experts_avg, merged_avg),
                                       **rows_for(merged, batches, merged_avg)}
         write_json(args.out, out)
+        plot_compare(out, args.plots)
         return
 
     anchor, options = "task_arithmetic", settings["anchors"]["task_arithmetic"]
@@ -98,6 +99,7 @@ def main() -> None:
         out["corrupted"][kind] = rows_for(merged, cmp.to_batches(bench, cmp.calibration_texts(bench, n, (kind, rate))),
                                           merged_avg)
     write_json(args.out, out)
+    plot_corruption(out, args.plots)
 
 
 if __name__ == "__main__":

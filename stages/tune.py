@@ -3,9 +3,10 @@
 Brings the study (--storage, else $FEATCAL_TUNE_STORAGE, else tune.storage, else sqlite at
 tune/study.db) up to tune.n_trials (or --n-trials). The stage (dvc.yaml gives every path) then
 writes the best values to --best (read by calibrate-layer@* when featcal.use_tuned: true), a
-summary to --summary and, when the study lives in a server database, a sqlite snapshot at
---snapshot. More workers, on this or other machines, run this same script from the project root
-without those three: `python stages/tune.py --storage URL --n-trials N` adds trials, writes nothing.
+summary to --summary with its plots (--history-plot: each trial's dev accuracy and the best so far;
+--importance-plot: optuna's parameter importances) and, when the study lives in a server database, a
+sqlite snapshot at --snapshot. More workers, on this or other machines, run this same script from
+the project root without those: `python stages/tune.py --storage URL --n-trials N` adds trials, writes nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--best", help="where the best values are written (the stage: tune/best.yaml)")
     parser.add_argument("--summary", help="where the study summary is written (the stage: results/tune.json)")
     parser.add_argument("--snapshot", help="sqlite copy of a server-side study (the stage: tune/study.db)")
-    return parser.parse_args(argv)
+    parser.add_argument("--history-plot", help="with --summary: the tuning history's PNG (the stage: "
+                                               "results/plots/tune_history.png)")
+    parser.add_argument("--importance-plot", help="with --summary: the parameter importances' PNG (the stage: "
+                                                  "results/plots/tune_importance.png)")
+    args = parser.parse_args(argv)
+    if (args.history_plot or args.importance_plot) and not (args.summary and args.history_plot and args.importance_plot):
+        parser.error("--history-plot and --importance-plot go together, with --summary (the stage writes all three)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,6 +94,10 @@ def main(argv: list[str] | None = None) -> None:
             write_best(args.best, outcome.study, base)
         if args.summary:
             write_json(args.summary, outcome.summary)
+            if args.history_plot:
+                from featcal.evaluation.plots import plot_study   # matplotlib: only the stage draws
+
+                plot_study(outcome.study, args.history_plot, args.importance_plot)
         if args.snapshot:
             snapshot_to_sqlite(outcome.study, storage, args.snapshot)
     best = outcome.summary.get("best", {})
