@@ -5,7 +5,8 @@ Helpers are plain functions (`from conftest import tiny_bert, perturbed, ...`); 
 the session fixture `tiny_project`, which tests never modify: `copy_project` gives each test module
 its own copy (work tree, git history and DVC cache) to change. The project builds in the background
 while the other tests run (the tests that use it run last); FEATCAL_TESTS_SERIAL=1 builds it in
-the foreground instead.
+the foreground instead. Under pytest-xdist (`make test` runs two workers) the first worker to start
+builds it and the others wait for that one build (`SharedBuild`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import json
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -126,6 +129,7 @@ DOWNSTREAM = {"collect-test-features", "evaluate-merged", "calibrate-layer@L00",
 # FEATCAL_TESTS_SERIAL=1: build the tiny project when the first test needs it, not alongside the
 # in-process tests (also the default on a single core).
 SERIAL = os.environ.get("FEATCAL_TESTS_SERIAL", "") not in ("", "0") or (os.cpu_count() or 1) < 2
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")   # "gw0", "gw1", ... under pytest-xdist
 
 
 def copy_project(source: Path, dest: Path) -> Path:
@@ -146,8 +150,8 @@ class TinyProjectBuild:
     tests that change os.environ meanwhile do not reach the build.
     """
 
-    def __init__(self, root: Path):
-        self.root, self.project = root, root / "project"
+    def __init__(self, root: Path, publish: Path | None = None):
+        self.root, self.project, self.publish = root, root / "project", publish
         self.env = project_env()
         copy_pipeline(self.project)
         make_base(root / "base")
@@ -199,8 +203,43 @@ class TinyProjectBuild:
             full_output = self._dvc("repro")
             self._result = SimpleNamespace(root=self.root, upstream=upstream, full=self.project,
                                            upstream_output=upstream_output, full_output=full_output)
+            if self.publish is not None:   # for the other xdist workers (SharedBuild)
+                done = {k: str(v) for k, v in vars(self._result).items()}
+                (self.publish / "result.json.tmp").write_text(json.dumps(done))
+                os.replace(self.publish / "result.json.tmp", self.publish / "result.json")
         except BaseException as error:  # handed to the tests that need the project
             self._error = error
+            if self.publish is not None:
+                (self.publish / "error.txt").write_text(f"{type(error).__name__}: {error}"[-8000:])
+
+    def finish(self) -> None:
+        """At the session's end: a build others may be waiting for runs to its end; else it stops."""
+        if self.publish is not None and self._thread is not None:
+            self._thread.join()
+        else:
+            self.cancel()
+
+
+class SharedBuild:
+    """Another xdist worker's build of the tiny project: wait for its result, published as files."""
+
+    def __init__(self, publish: Path, timeout_s: float = 900.0):
+        self.publish, self.timeout_s = publish, timeout_s
+
+    def result(self) -> SimpleNamespace:
+        deadline = time.monotonic() + self.timeout_s
+        while not (self.publish / "result.json").exists():
+            if (self.publish / "error.txt").exists():
+                raise AssertionError("the tiny project's build failed in another worker: "
+                                     + (self.publish / "error.txt").read_text())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no tiny project from another worker after {self.timeout_s:.0f} s")
+            time.sleep(0.5)
+        done = json.loads((self.publish / "result.json").read_text())
+        return SimpleNamespace(**{k: Path(v) if k in ("root", "upstream", "full") else v for k, v in done.items()})
+
+    def finish(self) -> None:
+        pass
 
 
 def _uses_tiny_project(item) -> bool:
@@ -219,11 +258,22 @@ def _tiny_project_build(request, tmp_path_factory):
     if not any(_uses_tiny_project(item) for item in request.session.items):
         yield None
         return
-    build = TinyProjectBuild(tmp_path_factory.mktemp("tiny_project"))
-    if not SERIAL:
-        build.start()
+    if XDIST_WORKER:   # one build for all workers: the first to claim the folder builds it
+        shared = tmp_path_factory.getbasetemp().parent / "tiny_project_shared"
+        try:
+            shared.mkdir()
+        except FileExistsError:
+            build = SharedBuild(shared)
+        else:
+            (shared / "build").mkdir()
+            build = TinyProjectBuild(shared / "build", publish=shared)
+            build.start()
+    else:
+        build = TinyProjectBuild(tmp_path_factory.mktemp("tiny_project"))
+        if not SERIAL:
+            build.start()
     yield build
-    build.cancel()
+    build.finish()
 
 
 @pytest.fixture(scope="session")
