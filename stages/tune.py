@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 
 from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
@@ -82,11 +83,10 @@ def main(argv: list[str] | None = None) -> None:
                                    batch_size=int(get(params, "calibration.batch_size")), merged=args.merged,
                                    experts_dir=args.experts, features=args.features,
                                    tasks_dir=get(params, "tasks_dir"))
-            outcome = tune(problem, base, space, storage, study_name, n_trials, StudySettings(
-                seed=int(settings.get("seed", 0)), startup_trials=int(settings.get("startup_trials", 8)),
-                enqueue_defaults=bool(settings.get("enqueue_defaults", True)),
-                prune_after_layers=tuple(settings.get("prune_after_layers") or ()),
-                prune_startup_trials=int(settings.get("prune_startup_trials", 5))))
+            # the keys params.yaml gives; StudySettings' own defaults for the rest
+            given = {f.name: settings[f.name] for f in dataclasses.fields(StudySettings) if f.name in settings}
+            given["prune_after_layers"] = tuple(given.get("prune_after_layers") or ())
+            outcome = tune(problem, base, space, storage, study_name, n_trials, StudySettings(**given))
         except (ValueError, KeyError, OSError, StudyMismatchError, StudyStorageError) as err:
             # a bad input, said in one line (what, where, the fix) instead of a traceback
             raise SystemExit(f"tune: error: {err.args[0] if isinstance(err, KeyError) and err.args else err}") from None
