@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,15 @@ class FinetuneConfig:
     seed: int = 0
 
 
-def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConfig, progress: bool = True) -> nn.Module:
+EpochLog = Callable[[int, dict[str, float]], None]
+
+
+def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConfig, progress: bool = True,
+             dev: TaskSplit | None = None, on_epoch: EpochLog | None = None) -> nn.Module:
+    """Trains `model` in place. After each pass over the data (and after a last partial pass),
+    `on_epoch(epoch, metrics)` gets the epoch (1, 2, ...), its mean `train_loss` and, given `dev`,
+    its `dev_accuracy`. The dev forwards draw no random numbers: the weights are those of a run
+    without logging, bit for bit."""
     torch.manual_seed(config.seed)
     g = torch.Generator().manual_seed(config.seed)
     n = len(train.texts)
@@ -37,9 +46,10 @@ def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConf
     )
     model.train()
     bar = tqdm(total=total, desc=f"finetune {train.task}", unit="step", disable=not progress)
-    step = 0
+    step = epoch = 0
     while step < total:
         order = torch.randperm(n, generator=g)
+        losses = []
         for start in range(0, n, config.batch_size):
             if step >= total:
                 break
@@ -52,8 +62,16 @@ def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConf
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            losses.append(loss.item())
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        epoch += 1
+        if on_epoch is not None:
+            metrics = {"train_loss": sum(losses) / len(losses)}
+            if dev is not None:
+                metrics["dev_accuracy"] = accuracy(model, tokenizer, dev, config.max_length)
+                model.train()
+            on_epoch(epoch, metrics)
     bar.close()
     return model.eval()
 

@@ -103,3 +103,14 @@ def timed(stage: str):
 
 def read_json(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+@contextmanager
+def live_log(directory: str | os.PathLike):
+    """A DVCLive logger writing `directory`/metrics.json and `directory`/plots/metrics/*.tsv, which
+    dvc.yaml declares as the stage's metrics and plots: no experiment of its own and no edit of
+    dvc.yaml (the pipeline owns both), so `dvc exp show` and `dvc plots` read it like any metric."""
+    from dvclive import Live   # only the stages that log pay for the import
+
+    with Live(dir=str(directory), save_dvc_exp=False, dvcyaml=False) as live:
+        yield live

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import get, load_params, max_length, setup_logging, timed
+from common import get, live_log, load_params, max_length, setup_logging, timed
 
 from featcal.data.splits import num_labels, read_split
 from featcal.io.models import atomic_dir, check_finite, load_classifier, load_tokenizer, write_json
@@ -17,6 +17,7 @@ def main() -> None:
     parser.add_argument("--task", required=True)
     parser.add_argument("--out", required=True, help="where the expert's folder is written")
     parser.add_argument("--scores", required=True, help="where its dev/test accuracy (JSON) is written")
+    parser.add_argument("--live", required=True, help="DVCLive folder: train loss and dev accuracy per epoch")
     args = parser.parse_args()
     task = args.task
     setup_logging()
@@ -24,7 +25,7 @@ def main() -> None:
     tasks_dir = get(params, "tasks_dir")
     base_ref = get(params, "model.base")
     existing = (get(params, "experts.paths", {}) or {}).get(task)
-    with timed(f"finetune@{task}"):
+    with timed(f"finetune@{task}"), live_log(args.live) as live:
         tokenizer = load_tokenizer(base_ref)
         length = max_length(params, task)
         if existing:
@@ -39,8 +40,19 @@ def main() -> None:
             config = FinetuneConfig(max_length=length, seed=int(get(params, "seed")), **settings)
             torch.manual_seed(config.seed)
             model = load_classifier(base_ref, num_labels=num_labels(tasks_dir, task))
-            model = finetune(model, tokenizer, read_split(tasks_dir, task, "train"), config)
+
+            def log_epoch(epoch: int, metrics: dict[str, float]) -> None:
+                live.step = epoch
+                for name, value in metrics.items():
+                    live.log_metric(name, value)
+                live.next_step()
+
+            model = finetune(model, tokenizer, read_split(tasks_dir, task, "train"), config,
+                             dev=read_split(tasks_dir, task, "dev"), on_epoch=log_epoch)
         scores = {s: accuracy(model, tokenizer, read_split(tasks_dir, task, s), length) for s in ("dev", "test")}
+        if existing:   # no epochs: the given model's dev accuracy, so the logger's outputs exist
+            live.log_metric("dev_accuracy", scores["dev"])
+            live.next_step()
         check_finite(model.state_dict(), f"refusing to write {args.out}: the {'given' if existing else 'fine-tuned'} model")
         with atomic_dir(args.out) as tmp:
             model.save_pretrained(tmp)

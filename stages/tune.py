@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import os
 
-from common import enabled_tasks, get, load_params, max_length, setup_logging, timed
+from common import enabled_tasks, get, live_log, load_params, max_length, setup_logging, timed
 
 from featcal.calibration.config import FeatCalConfig
 from featcal.io.models import write_json
@@ -56,10 +56,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                "results/plots/tune_history.png)")
     parser.add_argument("--importance-plot", help="with --summary: the parameter importances' PNG (the stage: "
                                                   "results/plots/tune_importance.png)")
+    parser.add_argument("--live", help="with --summary: DVCLive folder, each complete trial's dev accuracy and the "
+                                        "best so far, in trial order (the stage: results/live/tune)")
     args = parser.parse_args(argv)
+    if args.live and not args.summary:
+        parser.error("--live goes with --summary (the stage writes both)")
     if (args.history_plot or args.importance_plot) and not (args.summary and args.history_plot and args.importance_plot):
         parser.error("--history-plot and --importance-plot go together, with --summary (the stage writes all three)")
     return args
+
+
+def log_trials(study, directory: str) -> None:
+    """Every complete trial of the study (this worker's and the others'), as DVCLive steps numbered
+    by trial: `dev_accuracy` (the objective) and `best_dev_accuracy` so far."""
+    from optuna.trial import TrialState
+
+    best = None
+    with live_log(directory) as live:
+        for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number):
+            best = trial.value if best is None else max(best, trial.value)
+            live.step = trial.number
+            live.log_metric("dev_accuracy", trial.value)
+            live.log_metric("best_dev_accuracy", best)
+            live.next_step()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                 from featcal.evaluation.plots import plot_study   # matplotlib: only the stage draws
 
                 plot_study(outcome.study, args.history_plot, args.importance_plot)
+        if args.live:
+            log_trials(outcome.study, args.live)
         if args.snapshot:
             snapshot_to_sqlite(outcome.study, storage, args.snapshot)
     best = outcome.summary.get("best", {})

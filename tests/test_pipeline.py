@@ -4,6 +4,7 @@ import ast
 import json
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from featcal.merging.in_memory import merge_models
 
 import featcal
 from conftest import UPSTREAM, copy_project, stages_run, stages_skipped
-from tiny_project import ROOT, run
+from tiny_project import ROOT, project_env, run
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,36 @@ def test_the_dvc_chain_equals_one_in_process_calibration_bit_for_bit(project):
     assert len(chain) == sum(1 for n in in_process if n.startswith("encoder.layer."))
     for name, value in chain.items():
         assert torch.equal(value, in_process[name]), name
+
+
+def read_tsv(path: Path) -> list[list[str]]:
+    return [line.split("\t") for line in path.read_text().splitlines()]
+
+
+def test_fine_tuning_logs_loss_and_dev_accuracy_per_epoch_through_dvclive(project):
+    project, _ = project
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    epochs = params["finetune"]["epochs"]
+    for task in params["tasks"]:
+        live = project / "results/live/finetune" / task
+        dev = read_tsv(live / "plots/metrics/dev_accuracy.tsv")
+        loss = read_tsv(live / "plots/metrics/train_loss.tsv")
+        assert dev[0] == ["step", "dev_accuracy"] and loss[0] == ["step", "train_loss"]
+        assert [int(row[0]) for row in dev[1:]] == [int(row[0]) for row in loss[1:]] == list(range(1, epochs + 1))
+        assert all(float(row[1]) > 0 for row in loss[1:])
+        # the last epoch's dev accuracy is the expert's dev score the stage records
+        assert float(dev[-1][1]) == json.loads((project / f"results/experts/{task}.json").read_text())["dev"]
+    # DVC reads them as the stages' metrics and plots (what `dvc exp show` and `dvc plots` draw from)
+    def dvc_json(*args: str) -> dict:   # stdout only: DVC says on stderr that the compare results are absent
+        out = subprocess.run([sys.executable, "-m", "dvc", *args, "--json"], cwd=project, env=project_env(),
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    metrics = dvc_json("metrics", "show")[""]["data"]
+    assert metrics["results/live/finetune/topic/metrics.json"]["data"]["step"] == epochs
+    plots = dvc_json("plots", "show")["data"]
+    assert {f"results/live/finetune/{t}/plots/metrics/{m}.tsv" for t in params["tasks"]
+            for m in ("dev_accuracy", "train_loss")} <= set(plots)
 
 
 def test_a_stage_is_out_of_date_when_library_code_it_runs_changes(project):

@@ -191,6 +191,15 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
                                  "calibrate-layer@L01", "evaluate"}, third
     best = yaml.safe_load((project / "tune/best.yaml").read_text())
     assert best["study"]["name"] == "wiring"
+    # DVCLive's log: one step per complete trial, numbered by trial, with the best so far
+    trials = trials_of(f"sqlite:///{project / 'tune/study.db'}", "wiring")
+    rows = [line.split("\t") for line in (project / "results/live/tune/plots/metrics/dev_accuracy.tsv").read_text().splitlines()]
+    assert rows[0] == ["step", "dev_accuracy"]
+    assert [(int(step), float(value)) for step, value in rows[1:]] == [(t.number, t.value) for t in trials]
+    best_rows = (project / "results/live/tune/plots/metrics/best_dev_accuracy.tsv").read_text().splitlines()[1:]
+    assert [float(r.split("\t")[1]) for r in best_rows] == [max(t.value for t in trials[:i + 1]) for i in range(len(trials))]
+    assert json.loads((project / "results/live/tune/metrics.json").read_text())["best_dev_accuracy"] == \
+        max(t.value for t in trials)
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert lock["stages"]["calibrate-layer@L01"]["params"]["tune/best.yaml"] == \
         {f"featcal.{k}": v for k, v in best["featcal"].items()}
