@@ -64,7 +64,7 @@ def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConf
             step += 1
             losses.append(loss.item())
             bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)   # the bar refreshes at its own pace
         epoch += 1
         if on_epoch is not None:
             metrics = {"train_loss": sum(losses) / len(losses)}

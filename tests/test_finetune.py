@@ -58,3 +58,11 @@ def test_without_dev_the_log_has_the_loss_only(tmp_path):
     finetune(model, tokenizer, split("train", 20, 0), FinetuneConfig(epochs=1, batch_size=8, max_length=16),
              progress=False, on_epoch=lambda epoch, metrics: logged.append((epoch, set(metrics))))
     assert logged == [(1, {"train_loss"})]
+
+
+def test_into_a_file_the_progress_bar_writes_a_few_lines_not_one_per_step(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TQDM_MININTERVAL", "30")     # what the Makefile sets when stderr is not a terminal
+    model, tokenizer = model_and_tokenizer(tmp_path / "base")
+    finetune(model, tokenizer, split("train", 64, 0), FinetuneConfig(epochs=1, batch_size=8, max_length=16))
+    writes = capsys.readouterr().err.count("finetune toy")
+    assert 1 <= writes <= 2, writes                   # the opening and the closing state, not 8 steps

@@ -234,7 +234,7 @@ def _train(name, merged_feats, expert_feats, config, split, make, task_loss) -> 
         loss.backward()
         opt.step()
         if config.progress and (step % 25 == 0 or step == config.iterations - 1):
-            bar.set_postfix(l1=f"{l1_sum.item() / n_terms:.4f}")
+            bar.set_postfix(l1=f"{l1_sum.item() / n_terms:.4f}", refresh=False)
     bar.close()
     return {t: mod.eval() for t, mod in modules.items()}
 
