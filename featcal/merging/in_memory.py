@@ -9,7 +9,7 @@ from torch import nn
 
 from featcal.families import family_for
 from featcal.io.models import check_experts_fit_base
-from featcal.merging.registry import MergeContext, merge_state_dicts
+from featcal.merging.registry import MergeContext, fill_models, merge_state_dicts
 
 
 def merge_models(
@@ -30,12 +30,7 @@ def merge_models(
     family = family_for(base)
     check_experts_fit_base(base, experts)
     merged = copy.deepcopy(family.backbone(base))
-    context = MergeContext() if context is None else context
-    context.base = family.backbone(base).eval() if context.base is None else context.base
-    context.experts = dict(experts) if context.experts is None else context.experts
-    context.family = family if context.family is None else context.family
-    if list(context.experts) != list(experts):
-        raise ValueError(f"the context's experts {list(context.experts)} are not the experts merged {list(experts)}")
+    context = fill_models(context, list(experts), lambda: family.backbone(base).eval(), lambda: experts, family)
     state = merge_state_dicts(
         method, merged.state_dict(), [family.backbone(m).state_dict() for m in experts.values()], options, context
     )

@@ -27,7 +27,7 @@ from featcal.io.checkpoints import (
 from featcal.io.models import atomic_dir, check_finite, ratio_of, resolve_model_ref, task_vector_sums, warn_if_implausible
 from featcal.merging.adamerging import combine, fit_lambda, tied_aliases
 from featcal.merging.registry import (
-    MergeContext, build_options, check_context, compute_dtype, get_method, merge_state_dicts,
+    MergeContext, build_options, check_context, compute_dtype, fill_models, get_method, merge_state_dicts,
 )
 from featcal.merging.regmean import (
     check_batches, pre_block_names, regmean_plus_plus_record, regmean_record, walk_regmean, write_into,
@@ -159,15 +159,8 @@ def _lazy_context(method: str, context: MergeContext | None, folders: MergeFolde
                   expert_dirs: Mapping[str, str | os.PathLike]) -> MergeContext:
     """The context with the models lazy_merge fills when unset (skeletons: parameters on the meta
     device, the experts' heads loaded), checked; its record cleared."""
-    context = MergeContext() if context is None else context
-    if context.base is None:
-        context.base = _backbone_skeleton(folders)
-    if context.family is None:
-        context.family = family_for(context.base)
-    if context.experts is None:
-        context.experts = {t: _task_skeleton(p) for t, p in expert_dirs.items()}
-    elif list(context.experts) != list(expert_dirs):
-        raise ValueError(f"the context's experts {list(context.experts)} are not the experts merged {list(expert_dirs)}")
+    context = fill_models(context, list(expert_dirs), lambda: _backbone_skeleton(folders),
+                          lambda: {t: _task_skeleton(p) for t, p in expert_dirs.items()})
     context = check_context(method, context)
     context.record.clear()
     return context

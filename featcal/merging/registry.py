@@ -232,6 +232,25 @@ def check_context(method: str, context: MergeContext | None, filled: Sequence[st
     return context
 
 
+def fill_models(context: MergeContext | None, tasks: Sequence[str], base: Callable[[], nn.Module],
+                experts: Callable[[], Mapping[str, nn.Module]], family: "Family | None" = None) -> MergeContext:
+    """The context (a new one if None) with the models a merge driver supplies where the caller left
+    them unset: `base()` (the base backbone), `experts()` (task -> expert, in the order of `tasks`)
+    and the family (`family`, else the base's). Experts the caller gave must be `tasks`, in order."""
+    context = MergeContext() if context is None else context
+    if context.base is None:
+        context.base = base()
+    if context.family is None:
+        from featcal.families import family_for   # the registry itself knows no family
+
+        context.family = family if family is not None else family_for(context.base)
+    if context.experts is None:
+        context.experts = dict(experts())
+    elif list(context.experts) != list(tasks):
+        raise ValueError(f"the context's experts {list(context.experts)} are not the experts merged {list(tasks)}")
+    return context
+
+
 def _check_compatible(base: Mapping[str, Tensor], experts: Sequence[Mapping[str, Tensor]]) -> None:
     """Raise ValueError at the first tensor (in base order) whose name or shape differs."""
     if len(experts) == 0:
