@@ -80,4 +80,4 @@ bench-lazy: setup
 .PHONY: report
 report: setup
 	$(PY) stages/report.py --metrics results/metrics.json --compare results/compare.json \
-	  --plots results/plots --out results/report.html
+	  --plots results/plots --live results/live/finetune --out results/report.html

@@ -1,15 +1,29 @@
 """`make report`: one static HTML page of the results (featcal.evaluation.report), to open offline.
 
 Reads the headline metrics (--metrics), the comparison (--compare, left out when the file does not
-exist) and every result plot under --plots; writes the page to --out. Not a DVC stage: it only
-re-reads what the stages wrote.
+exist), every result plot under --plots and, with --live, the DVCLive logs under that folder (one
+sub-folder per run, e.g. results/live/finetune/<task>), drawn as one figure of curves; writes the
+page to --out. Not a DVC stage: it only re-reads what the stages wrote.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
+from pathlib import Path
 
 from featcal.evaluation.report import write_report
+
+LIVE_CAPTION = "Fine-tuning, per task: train loss and dev accuracy per epoch (DVCLive, stage finetune)"
+
+
+def read_live(folder: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """run -> metric -> [(step, value)] from DVCLive's `<run>/plots/metrics/<metric>.tsv` files."""
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for tsv in sorted(folder.glob("*/plots/metrics/*.tsv")):
+        rows = [line.split("\t") for line in tsv.read_text().splitlines()[1:] if line.strip()]
+        curves.setdefault(tsv.parts[-4], {})[tsv.stem] = [(int(step), float(value)) for step, value in rows]
+    return curves
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,12 +31,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metrics", required=True, help="the headline metrics JSON (results/metrics.json)")
     parser.add_argument("--compare", help="the comparison JSON (results/compare.json), if it exists")
     parser.add_argument("--plots", required=True, help="the folder of result plots (results/plots)")
+    parser.add_argument("--live", help="a folder of DVCLive logs to draw (results/live/finetune), if it exists")
     parser.add_argument("--out", required=True, help="where the page is written (results/report.html)")
     args = parser.parse_args(argv)
-    try:
-        out = write_report(args.out, args.metrics, args.plots, args.compare)
-    except FileNotFoundError as err:
-        raise SystemExit(f"report: error: {err}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = []
+        curves = read_live(Path(args.live)) if args.live else {}
+        if curves:
+            from featcal.evaluation.plots import plot_training_curves   # matplotlib: only when there is a log
+
+            plot_training_curves(curves, Path(tmp) / "finetune_curves.png")
+            extra.append((Path(tmp) / "finetune_curves.png", LIVE_CAPTION))
+        try:
+            out = write_report(args.out, args.metrics, args.plots, args.compare, extra)
+        except FileNotFoundError as err:
+            raise SystemExit(f"report: error: {err}") from None
     print(f"wrote {out}")
 
 

@@ -22,6 +22,9 @@ from featcal.evaluation import plots
 from featcal.evaluation.report import find_plots, render, write_report
 from tiny_project import ROOT
 
+sys.path.insert(0, str(ROOT / "stages"))
+import report as stages_report  # noqa: E402  (stages/report.py, what `make report` runs)
+
 os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
 PNG = b"\x89PNG\r\n\x1a\n"
 CHROMIUM = "/usr/bin/chromium"
@@ -115,13 +118,23 @@ def test_make_report_writes_the_page_without_an_active_virtualenv(tmp_path):
     (project / "results/plots").mkdir()
     shutil.copy2(ROOT / "results/plots/drift.png", project / "results/plots/drift.png")
     (project / ".venv").symlink_to(ROOT / ".venv")
+    # two runs' DVCLive logs (steps and values as finetune@<task> writes them): drawn as one figure
+    for task, rows in (("a", [(1, 0.5, 0.9), (2, 0.7, 0.6)]), ("b", [(1, 0.6, 1.1)])):
+        logs = project / "results/live/finetune" / task / "plots/metrics"
+        logs.mkdir(parents=True)
+        (logs / "dev_accuracy.tsv").write_text("step\tdev_accuracy\n" + "".join(f"{s}\t{d}\n" for s, d, _ in rows))
+        (logs / "train_loss.tsv").write_text("step\ttrain_loss\n" + "".join(f"{s}\t{l}\n" for s, _, l in rows))
     venv_bin = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONHOME")}
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != venv_bin and ".venv" not in p)
     done = subprocess.run(["make", "report"], cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     page = (project / "results/report.html").read_text()
-    assert page.count("<img ") == 1 and "compare.json" not in page   # no comparison yet: its table is left out
+    assert page.count("<img ") == 2 and "compare.json" not in page   # no comparison yet: its table is left out
+    assert "Fine-tuning, per task: train loss and dev accuracy per epoch" in page
+    curves = stages_report.read_live(project / "results/live/finetune")
+    assert curves == {"a": {"dev_accuracy": [(1, 0.5), (2, 0.7)], "train_loss": [(1, 0.9), (2, 0.6)]},
+                      "b": {"dev_accuracy": [(1, 0.6)], "train_loss": [(1, 1.1)]}}
     missing = subprocess.run([sys.executable, "stages/report.py", "--metrics", "nope.json", "--plots", "results/plots",
                               "--out", "x.html"], cwd=project, capture_output=True, text=True)
     assert missing.returncode != 0 and "report: error: no metrics at nope.json" in missing.stderr

@@ -47,9 +47,9 @@ def trials_of(storage: str, name: str) -> list[optuna.trial.FrozenTrial]:
 
 @pytest.fixture(scope="module")
 def project(tiny_project, tmp_path_factory):
-    """A copy of the session's tiny project reproduced up to what tuning reads (experts, merge,
-    expert features)."""
-    return copy_project(tiny_project.upstream, tmp_path_factory.mktemp("tune") / "project")
+    """A copy of the session's reproduced tiny project (tuning reads its experts, merge and expert
+    features; switching tuning on then re-runs only what the tuned values reach)."""
+    return copy_project(tiny_project.full, tmp_path_factory.mktemp("tune") / "project")
 
 
 @pytest.fixture(scope="session")
@@ -187,8 +187,7 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
                          tune__startup_trials=2, tune__enqueue_defaults=False)
     run([sys.executable, "stages/gen_chain.py"], project)
     third = run([*DVC, "repro"], project)
-    assert stages_run(third) == {"tune@dev", "collect-test-features", "evaluate-merged", "calibrate-layer@L00",
-                                 "calibrate-layer@L01", "evaluate"}, third
+    assert stages_run(third) == {"tune@dev", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, third
     best = yaml.safe_load((project / "tune/best.yaml").read_text())
     assert best["study"]["name"] == "wiring"
     # DVCLive's log: one step per complete trial, numbered by trial, with the best so far
@@ -215,7 +214,10 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
     edit_params(project, featcal__use_tuned=False)      # back to params.yaml's values, no tune stage
     run([sys.executable, "stages/gen_chain.py"], project)
     fourth = run([*DVC, "repro"], project)
-    assert stages_run(fourth) == {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, fourth
+    # evaluate may come back from DVC's run cache: the project was evaluated with these values before
+    restored = set(re.findall(r"Stage '([^']+)' is cached - skipping run", fourth))
+    assert stages_run(fourth) | restored == {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, fourth
+    assert "calibrate-layer@L01" in stages_run(fourth), fourth
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert "tune/best.yaml" not in lock["stages"]["calibrate-layer@L00"]["params"]
     assert_layers_equal(project, with_defaults)

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def plot_drift(rows: list[dict], path: str | os.PathLike) -> None:
@@ -40,6 +41,25 @@ def plot_lines(rows: list[dict], x: str, ys: list[str], path: str | os.PathLike,
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_training_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], path: str | os.PathLike) -> None:
+    """One panel per metric (e.g. train loss, dev accuracy), one line per run (e.g. per task's
+    fine-tuning), each a list of (step, value)."""
+    metrics = list(dict.fromkeys(m for run in curves.values() for m in run))
+    fig, axes = plt.subplots(1, max(1, len(metrics)), figsize=(4.5 * max(1, len(metrics)), 3.6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for name, run in curves.items():
+            if metric in run:
+                steps, values = zip(*run[metric])
+                ax.plot(steps, values, "o-", label=name)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(metric.replace("_", " "))
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="best")
     fig.tight_layout()
     _save(fig, path)
 

@@ -11,6 +11,7 @@ import base64
 import html
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 # The result plots in page order: (path under the plots folder, a glob for a folder of them; caption).
@@ -128,16 +129,18 @@ def render(metrics: dict, plots: list[tuple[str | os.PathLike, str]], compare: d
 
 
 def write_report(out: str | os.PathLike, metrics: str | os.PathLike, plots_dir: str | os.PathLike,
-                 compare: str | os.PathLike | None = None) -> Path:
+                 compare: str | os.PathLike | None = None,
+                 extra_plots: Sequence[tuple[str | os.PathLike, str]] = ()) -> Path:
     """Read the results at these paths and write the page to `out` (atomically); a `compare` path
-    that does not exist leaves the comparison out. Returns `out`."""
+    that does not exist leaves the comparison out; `extra_plots` (path, caption) follow the result
+    plots. Returns `out`."""
     metrics_path = Path(metrics)
     if not metrics_path.is_file():
         raise FileNotFoundError(f"no metrics at {metrics_path}: run the pipeline first (make repro)")
     compare_data = None
     if compare is not None and Path(compare).is_file():
         compare_data = json.loads(Path(compare).read_text())
-    page = render(json.loads(metrics_path.read_text()), find_plots(plots_dir), compare_data)
+    page = render(json.loads(metrics_path.read_text()), [*find_plots(plots_dir), *extra_plots], compare_data)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
