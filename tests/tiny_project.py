@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import torch
 import yaml
-from transformers import BertConfig, BertModel, BertTokenizer
+from transformers import BertConfig, BertModel, BertTokenizer, LlamaConfig, LlamaModel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["good", "bad", "great", "awful", "movie", "film", "sport", "team", "vote", "party", "the", "a", "and", "news"]
@@ -47,6 +47,19 @@ def make_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int = 4, 
     config = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                         intermediate_size=intermediate, max_position_embeddings=max_positions)
     BertModel(config).save_pretrained(path)
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
+
+
+def make_llama_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
+                    intermediate: int = 64, seed: int = 0) -> None:
+    """make_base's counterpart for the Llama family: a seeded random bare Llama (grouped-query
+    attention, RMSNorm, SwiGLU) with the same word-level tokenizer, its [PAD] as the pad token."""
+    vocab = make_vocab(WORDS)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=64, pad_token_id=vocab.index("[PAD]"))
+    LlamaModel(config).save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
 
 

@@ -1,0 +1,67 @@
+"""The pipeline beyond BERT: real `dvc repro` on a tiny project whose base and experts are Llama
+models, and the families whose blocks the pipeline cannot cache refused before anything runs."""
+
+import json
+import sys
+
+import pytest
+import torch
+import yaml
+from transformers import LlamaForSequenceClassification, T5Config, T5Model
+
+from conftest import stages_run
+from featcal.io.models import load_task_model, load_tokenizer
+from featcal.data.splits import read_split, tokenize_batches
+from tiny_project import ROOT, make_llama_base, make_project, make_tasks, make_vocab, tiny_params, run, WORDS
+
+sys.path.insert(0, str(ROOT / "stages"))
+import common  # noqa: E402
+from params_schema import ParamsError  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+DVC = [sys.executable, "-m", "dvc"]
+CHAIN = {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features",
+         "collect-test-features", "evaluate-merged", "calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}
+
+
+def test_a_llama_project_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):
+    make_llama_base(tmp_path / "base")
+    project = make_project(tmp_path, tiny_params(tmp_path / "base", make_tasks(tmp_path / "raw")))
+    first = run([*DVC, "repro"], project)
+    assert stages_run(first) == CHAIN, first
+
+    # the calibrated model's drift to the experts falls at every block
+    drift = json.loads((project / "results/drift.json").read_text())
+    assert [row["layer"] for row in drift] == [0, 1]
+    assert all(row["featcal_l2"] < row["merged_l2"] for row in drift), drift
+
+    # models/featcal is a Llama sequence classifier per task, scoring what evaluate reported
+    metrics = json.loads((project / "results/metrics.json").read_text())
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    tokenizer = load_tokenizer(str(project / "models/featcal"))
+    for task in ("sentiment", "topic"):
+        model = load_task_model(project / "models/featcal", task)
+        assert isinstance(model, LlamaForSequenceClassification)
+        test = read_split(project / "data/tasks", task, "test")
+        with torch.no_grad():
+            preds = torch.cat([model(**b).logits.argmax(-1) for b in
+                               tokenize_batches(tokenizer, test.texts, params["tokens"]["max_length"], 64)])
+        assert round(float((preds == test.labels).float().mean()), 4) == metrics["featcal"][task]
+
+    params["featcal"]["alpha"] = 0.5
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    second = run([*DVC, "repro"], project)
+    assert stages_run(second) == {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, second
+
+
+def test_a_t5_base_is_refused_before_any_stage_runs_naming_the_key_and_the_way_that_works(tmp_path):
+    vocab = make_vocab(WORDS)
+    T5Model(T5Config(vocab_size=len(vocab), d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
+                     decoder_start_token_id=0)).save_pretrained(tmp_path / "t5")
+    params = tiny_params(tmp_path / "t5", make_tasks(tmp_path / "raw"))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    with pytest.raises(SystemExit) as err:
+        common.load_params(tmp_path / "params.yaml", check_chain=False)
+    message = str(err.value.code)
+    assert "model.base" in message and "'t5'" in message and "featcal.calibrate" in message, message
