@@ -17,11 +17,12 @@ import dataclasses
 import os
 
 from common import enabled_tasks, get, live_log, load_params, max_length, setup_logging, timed
+from params_schema import Tune as TuneParams
 
 from featcal.calibration.config import FeatCalConfig
 from featcal.io.models import write_json
 from featcal.tuning import (
-    DEFAULT_STUDY, SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem, make_storage, tune,
+    SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem, make_storage, tune,
     write_best,
 )
 from featcal.tuning.study import snapshot_to_sqlite
@@ -45,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--params", default="params.yaml", help="params file (tasks, tokens, calibration, featcal, tune)")
     parser.add_argument("--storage", help="SQLAlchemy URL of the study (default: tune.storage, else sqlite at --snapshot)")
     parser.add_argument("--n-trials", type=positive_int, help="total trials wanted in the study (default: tune.n_trials)")
-    parser.add_argument("--study-name", help=f"study name (default: tune.study_name, else {DEFAULT_STUDY})")
+    parser.add_argument("--study-name", help=f"study name (default: tune.study_name, else {TuneParams.study_name})")
     parser.add_argument("--merged", default="models/merged", help="the merged multi-task model folder")
     parser.add_argument("--experts", default="experts", help="folder of the experts, one sub-folder per task")
     parser.add_argument("--features", default="features/experts", help="the experts' cached states (zarr)")
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = get(params, "tune", {}) or {}
     storage = (args.storage or os.environ.get("FEATCAL_TUNE_STORAGE") or settings.get("storage")
                or f"sqlite:///{args.snapshot or DEFAULT_SQLITE}")
-    study_name = args.study_name or settings.get("study_name", DEFAULT_STUDY)
-    n_trials = args.n_trials or int(settings.get("n_trials", 24))
+    defaults = TuneParams()   # the schema's defaults, for the keys params.yaml leaves out
+    study_name = args.study_name or settings.get("study_name", defaults.study_name)
+    n_trials = args.n_trials or int(settings.get("n_trials", defaults.n_trials))
     base = FeatCalConfig.from_mapping(get(params, "featcal"))
     space = SearchSpace.from_mapping(settings["search"]) if settings.get("search") else SearchSpace()
     tasks = enabled_tasks(params)
