@@ -183,7 +183,8 @@ def in_process(params: dict, alpha: float) -> dict:
     from featcal.data.splits import batches_from_arrays, read_split
     from featcal.evaluation.scoring import score_backbone, summary
     from featcal.io.checkpoints import load_head
-    from featcal.io.models import load_backbone, load_classifier, load_tokenizer
+    from featcal.data.encoders import load_encoder
+    from featcal.io.models import load_backbone, load_classifier
     from featcal.profiling import measure
     from featcal.io.feature_store import read_group
     from transformers.utils import logging as hf_logging
@@ -197,13 +198,13 @@ def in_process(params: dict, alpha: float) -> dict:
         batches = batches_from_arrays(read_group("features/experts/inputs.zarr"), int(get(params, "calibration.batch_size")))
         batches = {t: batches[t] for t in tasks}
         heads = {t: load_head(f"experts/{t}") for t in tasks}
-        tokenizer = load_tokenizer("models/merged")
+        encoder = load_encoder("models/merged")
         splits = {t: read_split(get(params, "tasks_dir"), t, "test") for t in tasks}
     config = FeatCalConfig.from_mapping({**get(params, "featcal"), "alpha": alpha})
     with measure() as cal:
         result = calibrate(merged, base, experts, batches, config, inplace=True, progress=False)
     with measure() as score:
-        scores = score_backbone(result.backbone, heads, tokenizer, splits, {t: max_length(params, t) for t in tasks})
+        scores = score_backbone(result.backbone, heads, encoder, splits, {t: max_length(params, t) for t in tasks})
     return {"load": load.as_dict(), "calibrate": cal.as_dict(), "score": score.as_dict(),
             "test_avg": summary(scores)["avg"], "threads": torch.get_num_threads()}
 

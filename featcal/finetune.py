@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.data.splits import TaskSplit, tokenize_batches
+from featcal.data.encoders import InputEncoder
+from featcal.data.splits import TaskSplit, encode_batches
 
 
 @dataclass
@@ -28,7 +29,7 @@ class FinetuneConfig:
 EpochLog = Callable[[int, dict[str, float]], None]
 
 
-def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConfig, progress: bool = True,
+def finetune(model: nn.Module, encoder: InputEncoder, train: TaskSplit, config: FinetuneConfig, progress: bool = True,
              dev: TaskSplit | None = None, on_epoch: EpochLog | None = None) -> nn.Module:
     """Trains `model` in place. After each pass over the data (and after a last partial pass),
     `on_epoch(epoch, metrics)` gets the epoch (1, 2, ...), its mean `train_loss` and, given `dev`,
@@ -36,7 +37,7 @@ def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConf
     without logging, bit for bit."""
     torch.manual_seed(config.seed)
     g = torch.Generator().manual_seed(config.seed)
-    n = len(train.texts)
+    n = len(train.examples)
     steps_per_epoch = (n + config.batch_size - 1) // config.batch_size
     total = max(1, int(round(config.epochs * steps_per_epoch)))
     opt = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
@@ -54,7 +55,7 @@ def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConf
             if step >= total:
                 break
             idx = order[start:start + config.batch_size]
-            batch = tokenize_batches(tokenizer, [train.texts[i] for i in idx], config.max_length, len(idx))[0]
+            batch = encoder.encode([train.examples[i] for i in idx], config.max_length)
             loss = model(**batch, labels=train.labels[idx]).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -69,7 +70,7 @@ def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConf
         if on_epoch is not None:
             metrics = {"train_loss": sum(losses) / len(losses)}
             if dev is not None:
-                metrics["dev_accuracy"] = accuracy(model, tokenizer, dev, config.max_length)
+                metrics["dev_accuracy"] = accuracy(model, encoder, dev, config.max_length)
                 model.train()
             on_epoch(epoch, metrics)
     bar.close()
@@ -77,12 +78,12 @@ def finetune(model: nn.Module, tokenizer, train: TaskSplit, config: FinetuneConf
 
 
 @torch.no_grad()
-def predict(model: nn.Module, tokenizer, texts: list[str], max_length: int, batch_size: int = 64) -> torch.Tensor:
+def predict(model: nn.Module, encoder: InputEncoder, examples: list, max_length: int, batch_size: int = 64) -> torch.Tensor:
     model.eval()
-    preds = [model(**b).logits.argmax(-1) for b in tokenize_batches(tokenizer, texts, max_length, batch_size)]
+    preds = [model(**b).logits.argmax(-1) for b in encode_batches(encoder, examples, max_length, batch_size)]
     return torch.cat(preds) if preds else torch.zeros(0, dtype=torch.long)
 
 
-def accuracy(model: nn.Module, tokenizer, split: TaskSplit, max_length: int) -> float:
-    preds = predict(model, tokenizer, split.texts, max_length)
+def accuracy(model: nn.Module, encoder: InputEncoder, split: TaskSplit, max_length: int) -> float:
+    preds = predict(model, encoder, split.examples, max_length)
     return float((preds == split.labels).float().mean())

@@ -19,7 +19,7 @@ from featcal.calibration import distributed
 from featcal.data.splits import batches_to_arrays, calibration_batches
 from featcal.evaluation.scoring import DRIFT_BATCH_SIZE
 from featcal.calibration.layerwise import collect_expert_layers
-from featcal.io.models import load_tokenizer
+from featcal.data.encoders import load_encoder
 from featcal.io.feature_store import StoreFormat, write_group
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
     fmt = StoreFormat(get(params, "cache.dtype", "float32"), get(params, "cache.compressor", "zstd"))
     main_process = distributed.is_main()
     with timed("collect-expert-features" if args.split == "train" else "collect-test-features"):
-        batches = calibration_batches(spec, load_tokenizer(get(params, "model.base")))
+        batches = calibration_batches(spec, load_encoder(get(params, "model.base")))
         if main_process:
             write_group(f"{out_dir}/inputs.zarr", batches_to_arrays(batches), {"tasks": tasks})
         layers = collect_expert_layers({t: f"{args.experts}/{t}" for t in tasks}, distributed.shard_batches(batches))

@@ -17,7 +17,8 @@ from evaluate_merged import evaluate_backbone
 from featcal.calibration.calibrate import LayerDrift
 from featcal.evaluation.scoring import drift_rows, gap_closed, summary
 from featcal.io.checkpoints import load_head
-from featcal.io.models import load_backbone, load_tokenizer, save_multitask, with_parameters_from, write_json
+from featcal.data.encoders import load_encoder
+from featcal.io.models import load_backbone, save_multitask, with_parameters_from, write_json
 from featcal.evaluation.plots import plot_drift
 
 
@@ -44,7 +45,7 @@ def main() -> None:
         except ValueError as err:
             raise SystemExit(str(err)) from None
         heads = {t: load_head(Path(args.experts) / t) for t in tasks}
-        save_multitask(args.out_model, calibrated, heads, load_tokenizer(args.merged))
+        save_multitask(args.out_model, calibrated, heads, load_encoder(args.merged))
         scores, drift = evaluate_backbone(calibrated, heads, params, args.features, args.merged)
         merged = read_json(args.merged_scores)
         metrics = {

@@ -16,16 +16,17 @@ from featcal.data.splits import batches_from_arrays, read_split
 from featcal.evaluation.scoring import DRIFT_BATCH_SIZE, drift_to_states, score_backbone, summary
 from featcal.families import family_for
 from featcal.io.checkpoints import load_head
-from featcal.io.models import load_backbone, load_tokenizer, write_json
+from featcal.data.encoders import load_encoder
+from featcal.io.models import load_backbone, write_json
 from featcal.io.feature_store import read_group
 
 
-def evaluate_backbone(backbone, heads: dict, params: dict, features: str, tokenizer_dir: str) -> tuple[dict, list]:
+def evaluate_backbone(backbone, heads: dict, params: dict, features: str, encoder_dir: str) -> tuple[dict, list]:
     """Test accuracy per task (`heads`: `load_head` models) and per-layer drift to the experts'
     cached test states."""
     tasks_dir, tasks = get(params, "tasks_dir"), list(heads)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    scores = score_backbone(backbone, heads, tokenizer, {t: read_split(tasks_dir, t, "test") for t in tasks},
+    encoder = load_encoder(encoder_dir)
+    scores = score_backbone(backbone, heads, encoder, {t: read_split(tasks_dir, t, "test") for t in tasks},
                             {t: max_length(params, t) for t in tasks})
     inputs = read_group(f"{features}/inputs.zarr")
     batches = {t: b for t, b in batches_from_arrays(inputs, DRIFT_BATCH_SIZE).items() if t in tasks}

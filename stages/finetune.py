@@ -8,7 +8,8 @@ import torch
 from common import get, live_log, load_params, max_length, setup_logging, timed
 
 from featcal.data.splits import num_labels, read_split
-from featcal.io.models import atomic_dir, check_finite, load_classifier, load_tokenizer, write_json
+from featcal.data.encoders import load_encoder
+from featcal.io.models import atomic_dir, check_finite, load_classifier, write_json
 from featcal.finetune import FinetuneConfig, accuracy, finetune
 
 
@@ -26,7 +27,7 @@ def main() -> None:
     base_ref = get(params, "model.base")
     existing = (get(params, "experts.paths", {}) or {}).get(task)
     with timed(f"finetune@{task}"), live_log(args.live) as live:
-        tokenizer = load_tokenizer(base_ref)
+        encoder = load_encoder(base_ref)
         length = max_length(params, task)
         if existing:
             model = load_classifier(existing)
@@ -47,16 +48,16 @@ def main() -> None:
                     live.log_metric(name, value)
                 live.next_step()
 
-            model = finetune(model, tokenizer, read_split(tasks_dir, task, "train"), config,
+            model = finetune(model, encoder, read_split(tasks_dir, task, "train"), config,
                              dev=read_split(tasks_dir, task, "dev"), on_epoch=log_epoch)
-        scores = {s: accuracy(model, tokenizer, read_split(tasks_dir, task, s), length) for s in ("dev", "test")}
+        scores = {s: accuracy(model, encoder, read_split(tasks_dir, task, s), length) for s in ("dev", "test")}
         if existing:   # no epochs: the given model's dev accuracy, so the logger's outputs exist
             live.log_metric("dev_accuracy", scores["dev"])
             live.next_step()
         check_finite(model.state_dict(), f"refusing to write {args.out}: the {'given' if existing else 'fine-tuned'} model")
         with atomic_dir(args.out) as tmp:
             model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            encoder.save_pretrained(tmp)
         write_json(args.scores, {"task": task, "source": existing or "finetuned", **scores})
     print(f"{task}: dev {scores['dev']:.3f} test {scores['test']:.3f}")
 

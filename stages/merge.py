@@ -19,7 +19,8 @@ from common import enabled_tasks, get, load_params, max_length, setup_logging, t
 
 from featcal.evaluation import compare as cmp
 from featcal.io.checkpoints import load_head
-from featcal.io.models import atomic_dir, check_model_types, load_tokenizer, save_heads, save_multitask, write_json
+from featcal.data.encoders import load_encoder
+from featcal.io.models import atomic_dir, check_model_types, save_heads, save_multitask, write_json
 from featcal.merging import get_method, split_options
 from featcal.merging.in_memory import merge_models
 from featcal.merging.lazy import DATA_MERGES, lazy_merge, streams
@@ -47,20 +48,20 @@ def main() -> None:
         if streams(method, options) or method in DATA_MERGES:   # never a whole expert in memory
             check_model_types(base_ref, expert_dirs)
             context = None
-            if get_method(method).needs:   # train batches: the tokenizer and the task data, no model
-                task_data = cmp.TaskData(tasks, load_tokenizer(base_ref), get(params, "tasks_dir"), lengths, seed)
+            if get_method(method).needs:   # train batches: the input encoder and the task data, no model
+                task_data = cmp.TaskData(tasks, load_encoder(base_ref), get(params, "tasks_dir"), lengths, seed)
                 context = cmp.merge_context(task_data, method, data)
             with atomic_dir(args.out) as tmp:
                 lazy_merge(base_ref, expert_dirs, method, options, tmp / "backbone", context=context)
                 for item in (tmp / "backbone").iterdir():
                     os.replace(item, tmp / item.name)
                 (tmp / "backbone").rmdir()
-                save_heads(tmp, {t: load_head(d) for t, d in expert_dirs.items()}, load_tokenizer(base_ref))
+                save_heads(tmp, {t: load_head(d) for t, d in expert_dirs.items()}, load_encoder(base_ref))
         else:
             bench = cmp.load_workbench(base_ref, expert_dirs, get(params, "tasks_dir"), lengths, seed)
             context = cmp.merge_context(bench, method, data)
             merged = merge_models(bench.base, bench.experts, method, options, context)
-            save_multitask(args.out, merged, bench.experts, load_tokenizer(base_ref))   # a fresh one: the
+            save_multitask(args.out, merged, bench.experts, load_encoder(base_ref))   # a fresh one: the
             # workbench's tokenizer has been used with padding, which would change tokenizer.json
         if context is not None:
             record.update(context.record)

@@ -19,6 +19,7 @@ from transformers import BertTokenizer
 
 import featcal.data.splits
 from featcal import MergeContext, merge_models
+from featcal.data.encoders import TextEncoder
 from featcal.evaluation import compare as cmp
 from featcal.families import family_for
 from featcal.merging.lazy import lazy_merge, streams
@@ -317,7 +318,7 @@ def test_the_supplied_context_reads_train_data_only_and_adamerging_runs_on_it(tm
     write_tasks(tmp_path, experts)   # no test split exists: reading it would fail
     vocab = make_vocab(WORDS)
     tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(vocab)})
-    bench = cmp.Workbench(base.bert, experts, tokenizer, str(tmp_path), {t: 12 for t in experts}, seed=0, batch_size=4)
+    bench = cmp.Workbench(base.bert, experts, TextEncoder(tokenizer), str(tmp_path), {t: 12 for t in experts}, seed=0, batch_size=4)
     read = []
     real = featcal.data.splits.read_split
     monkeypatch.setattr(cmp, "read_split", lambda d, t, s: read.append(s) or real(d, t, s))
@@ -332,7 +333,7 @@ def test_choose_on_dev_keeps_the_best_dev_candidate_and_reads_no_test_data(tmp_p
     base, experts = models(layers=1, tasks="ab", scale=0.5)
     write_tasks(tmp_path, experts)   # no test split exists: reading it would fail
     tokenizer = BertTokenizer(vocab={w: i for i, w in enumerate(make_vocab(WORDS))})
-    bench = cmp.Workbench(base.bert, experts, tokenizer, str(tmp_path), {t: 12 for t in experts}, seed=0, batch_size=4)
+    bench = cmp.Workbench(base.bert, experts, TextEncoder(tokenizer), str(tmp_path), {t: 12 for t in experts}, seed=0, batch_size=4)
     read = []
     real = featcal.data.splits.read_split
     monkeypatch.setattr(cmp.Workbench, "split", lambda self, t, s="test": read.append(s) or real(self.tasks_dir, t, s))

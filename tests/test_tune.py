@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from featcal import tuning as tune
 from featcal.tuning import objective
 from featcal.calibration.config import FeatCalConfig
+from featcal.data.encoders import TextEncoder
 from featcal.data.splits import TaskSplit
 from conftest import DVC, copy_project, stages_run
 from pg_server import postgres_server
@@ -82,8 +83,9 @@ def test_dev_examples_seen_by_calibration_are_not_scored():
     split = TaskSplit("t", "dev", ["a bb", "ccc", "dd e"], torch.tensor([0, 1, 0]))
     calib_ids = torch.tensor([[101, 3, 102, 0], [101, 2, 1, 102]])     # "ccc" and "dd e" (padded rows)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    kept, dropped = tune.drop_calibration_overlap(split, Tok(), 8, calib_ids, mask)
-    assert dropped == 2 and kept.texts == ["a bb"] and kept.labels.tolist() == [0]
+    kept, dropped = tune.drop_calibration_overlap(split, TextEncoder(Tok()), 8,
+                                                  {"input_ids": calib_ids, "attention_mask": mask})
+    assert dropped == 2 and kept.examples == ["a bb"] and kept.labels.tolist() == [0]
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")

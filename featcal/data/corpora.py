@@ -272,6 +272,35 @@ def load_name_gender(include_mostly: bool = False) -> pd.DataFrame:
     return _with_meta(pd.DataFrame(rows, columns=["text", "label"]), ["female", "male"], path)
 
 
+def load_digits() -> pd.DataFrame:
+    """Handwritten digits (1,797 8x8 grey images, 0-16 scaled to 0-255; scikit-learn's bundled
+    copy of the UCI optical-recognition test set, read from ``sklearn/datasets/data`` without
+    importing scikit-learn). Columns ``image`` (PNG bytes) and three label columns for tasks
+    that conflict on the same images: ``digit`` (0-9), ``parity`` (even/odd) and ``magnitude``
+    (low 0-4 / high 5-9); choose one with the task's ``label_field``."""
+    import gzip
+
+    import numpy as np
+
+    from featcal.data.images import to_png
+
+    path = _package_file("sklearn", "datasets/data/digits.csv.gz")
+    with gzip.open(path, "rt") as handle:
+        table = np.loadtxt(handle, delimiter=",", dtype=np.int64)
+    pixels = (table[:, :64].reshape(-1, 8, 8) * 255 // 16).astype(np.uint8)
+    digits = table[:, 64]
+    frame = pd.DataFrame({
+        "image": [to_png(p, f"{path} row {i}") for i, p in enumerate(pixels)],
+        "digit": digits,
+        "parity": np.where(digits % 2 == 0, "even", "odd"),
+        "magnitude": np.where(digits < 5, "low", "high"),
+    })
+    frame = frame.reset_index(drop=True)
+    frame.attrs["source_file"] = str(path)
+    frame.attrs["image_field"] = "image"
+    return frame
+
+
 #: Builtin loaders by name (``source: package:<name>``); keyword arguments come from ``options``.
 BUILTIN_LOADERS: dict[str, Callable[..., pd.DataFrame]] = {
     "bbc": load_bbc,
@@ -281,4 +310,5 @@ BUILTIN_LOADERS: dict[str, Callable[..., pd.DataFrame]] = {
     "debate_party": load_debate_party,
     "name_gender": load_name_gender,
     "subjectivity": load_subjectivity,
+    "digits": load_digits,
 }

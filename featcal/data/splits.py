@@ -1,4 +1,4 @@
-"""Task splits on disk (`<tasks_dir>/<task>/{train,dev,test}.parquet`) and tokenised batches."""
+"""Task splits on disk (`<tasks_dir>/<task>/{train,dev,test}.parquet`) and encoded batches."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
+from featcal.data.encoders import InputEncoder
+
 SPLITS = ("train", "dev", "test")
 
 
 @dataclass
 class TaskSplit:
+    """A split's examples (texts, or images as PNG bytes) and labels."""
+
     task: str
     split: str
-    texts: list[str]
+    examples: list
     labels: Tensor
 
 
@@ -30,10 +34,11 @@ def read_split(tasks_dir: str | os.PathLike, task: str, split: str) -> TaskSplit
     if not path.exists():
         raise FileNotFoundError(f"task {task!r}: {path} does not exist (run the prepare stage)")
     table = pq.read_table(path)
-    for column in ("text", "label"):
+    content = "image" if "image" in table.column_names else "text"
+    for column in (content, "label"):
         if column not in table.column_names:
             raise ValueError(f"{path}: missing column {column!r} (columns: {table.column_names})")
-    return TaskSplit(task, split, table.column("text").to_pylist(), torch.tensor(table.column("label").to_pylist()))
+    return TaskSplit(task, split, table.column(content).to_pylist(), torch.tensor(table.column("label").to_pylist()))
 
 
 def num_labels(tasks_dir: str | os.PathLike, task: str) -> int:
@@ -48,31 +53,17 @@ def calibration_subset(split: TaskSplit, n: int, seed: int) -> TaskSplit:
     """A seeded sample of n examples (all of them when the split is smaller); labels are kept
     only so callers can check they never use them."""
     g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(split.texts), generator=g)[: min(n, len(split.texts))].sort().values
-    return TaskSplit(split.task, split.split, [split.texts[i] for i in order], split.labels[order])
+    order = torch.randperm(len(split.examples), generator=g)[: min(n, len(split.examples))].sort().values
+    return TaskSplit(split.task, split.split, [split.examples[i] for i in order], split.labels[order])
 
 
-def tokenize_batches(
-    tokenizer, texts: list[str], max_length: int, batch_size: int, pad_to: int | None = None
+def encode_batches(
+    encoder: InputEncoder, examples: list, max_length: int, batch_size: int, pad_to: int | None = None
 ) -> list[dict[str, Tensor]]:
-    """Tokenised batches in order. With `pad_to`, every batch has that many positions (a fixed
+    """Encoded batches in order. With `pad_to`, every text batch has that many positions (a fixed
     width lets per-layer caches store one array per task)."""
-    batches = []
-    for start in range(0, len(texts), batch_size):
-        chunk = texts[start:start + batch_size]
-        if pad_to is None:
-            enc = tokenizer(chunk, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
-        else:
-            enc = tokenizer(chunk, truncation=True, max_length=max_length, padding="max_length", return_tensors="pt")
-            enc = {k: v[:, :pad_to] for k, v in enc.items()}
-        batches.append(dict(enc))
-    return batches
-
-
-def fixed_width(tokenizer, texts: list[str], max_length: int) -> int:
-    """The longest tokenised length among `texts`, capped at max_length."""
-    lengths = [len(ids) for ids in tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]]
-    return max(lengths) if lengths else 1
+    return [encoder.encode(examples[start:start + batch_size], max_length, pad_to)
+            for start in range(0, len(examples), batch_size)]
 
 
 @dataclass
@@ -94,13 +85,13 @@ class CalibrationSpec:
 Batches = dict[str, list[dict[str, Tensor]]]
 
 
-def calibration_batches(spec: CalibrationSpec, tokenizer) -> Batches:
-    """Per task, fixed-width token batches of the calibration sample (labels dropped)."""
+def calibration_batches(spec: CalibrationSpec, encoder: InputEncoder) -> Batches:
+    """Per task, fixed-width batches of the calibration sample (labels dropped)."""
     out: Batches = {}
     for task in spec.tasks:
         sample = calibration_subset(read_split(spec.tasks_dir, task, spec.split), spec.examples_per_task, spec.seed)
-        width = fixed_width(tokenizer, sample.texts, spec.length(task))
-        out[task] = tokenize_batches(tokenizer, sample.texts, spec.length(task), spec.batch_size, pad_to=width)
+        width = encoder.width(sample.examples, spec.length(task))
+        out[task] = encode_batches(encoder, sample.examples, spec.length(task), spec.batch_size, pad_to=width)
     return out
 
 
@@ -118,7 +109,7 @@ def batches_from_arrays(arrays: dict[str, Tensor], batch_size: int) -> Batches:
     per_task: dict[str, dict[str, Tensor]] = {}
     for name, value in arrays.items():
         key, _, task = name.partition("/")
-        per_task.setdefault(task, {})[key] = value.long()
+        per_task.setdefault(task, {})[key] = value if value.is_floating_point() else value.long()
     out: Batches = {}
     for task, inputs in per_task.items():
         n = next(iter(inputs.values())).shape[0]

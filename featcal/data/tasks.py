@@ -71,6 +71,9 @@ class TaskSpec:
     use the sorted unique labels. ``split_field`` names the column holding a source's own split
     (train/dev/validation/test); it is used when present, ``null`` ignores it. ``balance``
     downsamples every class to the smallest class (per source split) before splitting.
+    ``image_field`` makes it an image task: that column holds the images (encoded bytes, a
+    ``datasets`` image cell, a path or an array); builtin image loaders and image folders
+    (``file:<folder>``, one sub-folder per class) name it themselves.
     ``options`` are source-specific: keyword arguments of the builtin loader, ``sep`` /
     ``encoding`` for csv/tsv files, extra ``load_dataset`` arguments for ``hf``.
     """
@@ -79,6 +82,7 @@ class TaskSpec:
     source: str
     text_field: str = "text"
     label_field: str = "label"
+    image_field: str | None = None
     label_map: Mapping[str, str | None] | None = None
     max_train: int = 2000
     n_dev: int = 300
@@ -134,16 +138,17 @@ class TaskSpec:
                 f"{where}.source: unknown builtin loader {target!r} "
                 f"(available: {', '.join(sorted(BUILTIN_LOADERS))})"
             )
-        if kind == "file" and Path(target).suffix.lower() not in FILE_SUFFIXES:
+        if kind == "file" and Path(target).suffix.lower() not in FILE_SUFFIXES and not Path(target).is_dir():
             raise ValueError(
-                f"{where}.source: file {target!r} must end in one of {', '.join(FILE_SUFFIXES)}"
+                f"{where}.source: file {target!r} must be an image folder or end in one of {', '.join(FILE_SUFFIXES)}"
             )
 
         for key in ("text_field", "label_field"):
             if key in kw and (not isinstance(kw[key], str) or not kw[key]):
                 raise ValueError(f"{where}.{key}: expected a column name, found {kw[key]!r}")
-        if "split_field" in kw and kw["split_field"] is not None and not isinstance(kw["split_field"], str):
-            raise ValueError(f"{where}.split_field: expected a column name or null, found {kw['split_field']!r}")
+        for key in ("split_field", "image_field"):
+            if key in kw and kw[key] is not None and (not isinstance(kw[key], str) or not kw[key]):
+                raise ValueError(f"{where}.{key}: expected a column name or null, found {kw[key]!r}")
         for key, minimum in (("max_train", 1), ("n_dev", 1), ("n_test", 1), ("min_chars", 0)):
             if key in kw:
                 value = kw[key]
@@ -203,6 +208,10 @@ class TaskSpec:
 
 def _read_file(spec: TaskSpec) -> pd.DataFrame:
     path = Path(spec.source_target)
+    if path.is_dir():
+        from featcal.data.images import read_image_folder
+
+        return read_image_folder(path, spec.name)
     if not path.is_file():
         raise FileNotFoundError(f"task {spec.name!r}: source file {path} does not exist")
     suffix = path.suffix.lower()
@@ -276,7 +285,9 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
     """
     raw = _raw_frame(spec)
     where = f"task {spec.name!r} ({raw.attrs.get('source_file', spec.source)})"
-    for key, column in (("text_field", spec.text_field), ("label_field", spec.label_field)):
+    image_field = spec.image_field or raw.attrs.get("image_field")
+    content = ("image_field", image_field) if image_field else ("text_field", spec.text_field)
+    for key, column in (content, ("label_field", spec.label_field)):
         if column not in raw.columns:
             raise ValueError(
                 f"{where}: {key} column {column!r} not found (columns: {', '.join(map(str, raw.columns))})"
@@ -288,13 +299,18 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
             f"(columns: {', '.join(map(str, raw.columns))})"
         )
 
-    text = raw[spec.text_field]
+    text = raw[content[1]]
     missing_text = text.isna().to_numpy()
     missing_label = raw[spec.label_field].isna().to_numpy() & ~missing_text
     keep = ~missing_text & ~missing_label
-    if not pd.api.types.is_string_dtype(text) and not pd.api.types.is_object_dtype(text):
+    if image_field:
+        from featcal.data.images import to_png
+
+        texts = pd.Series([to_png(v, f"{where} row {i}") for i, v in text[keep].items()], dtype=object)
+    elif not pd.api.types.is_string_dtype(text) and not pd.api.types.is_object_dtype(text):
         raise ValueError(f"{where}: text_field column {spec.text_field!r} holds {text.dtype}, not text")
-    texts = text[keep].astype(str).str.strip()
+    else:
+        texts = text[keep].astype(str).str.strip()
     raw_labels = raw[spec.label_field][keep]
     label_keys = [_label_key(v) for v in raw_labels]
 
@@ -326,7 +342,8 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
     index = {c: i for i, c in enumerate(classes)}
     codes = np.array([index.get(n, -1) if n is not None else -1 for n in names], dtype=np.int64)
 
-    out = pd.DataFrame({"text": texts.to_numpy(dtype=object), "label": codes})
+    column = "image" if image_field else "text"
+    out = pd.DataFrame({column: texts.to_numpy(dtype=object), "label": codes})
     if split_col is not None:
         splits = raw[split_col][keep].astype(str).str.strip().str.lower()
         bad = sorted(set(splits) - set(_SPLIT_ALIASES))
@@ -337,7 +354,8 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
             )
         out["split"] = splits.map(_SPLIT_ALIASES).to_numpy(dtype=object)
     mapped_null = (out["label"] < 0).to_numpy()
-    short = ~mapped_null & (out["text"].str.len() < max(spec.min_chars, 1)).to_numpy()
+    lengths = out[column].map(len) if image_field else out[column].str.len()
+    short = ~mapped_null & (lengths < max(spec.min_chars, 1)).to_numpy()
     dropped = {"missing text": int(missing_text.sum()), "missing label": int(missing_label.sum()),
                "label mapped to null": int(mapped_null.sum()),
                ("empty text" if spec.min_chars <= 1 else f"text under {spec.min_chars} characters"): int(short.sum())}
@@ -390,18 +408,24 @@ def _number_key(number: float) -> str:
     return repr(number)
 
 
+def example_column(frame: pd.DataFrame) -> str:
+    """Where a task frame keeps its examples: ``image`` (PNG bytes) or ``text``."""
+    return "image" if "image" in frame.columns else "text"
+
+
 def _dedupe(frame: pd.DataFrame, task: str) -> pd.DataFrame:
-    """Keep one row per exact text; drop texts seen with conflicting labels. Where a text occurs
-    in several source splits, the copy in test (then dev) wins so the source's test set is kept."""
-    n_labels = frame.groupby("text")["label"].nunique()
+    """Keep one row per exact text (image); drop texts seen with conflicting labels. Where a text
+    occurs in several source splits, the copy in test (then dev) wins so the source's test set is kept."""
+    column = example_column(frame)
+    n_labels = frame.groupby(column)["label"].nunique()
     conflicting = set(n_labels.index[n_labels > 1])
-    in_conflict = frame["text"].isin(conflicting)
+    in_conflict = frame[column].isin(conflicting)
     frame = frame[~in_conflict]
     if "split" in frame.columns:
         priority = frame["split"].map({"test": 0, "dev": 1, "train": 2})
         frame = frame.assign(_p=priority).sort_values(["_p"], kind="stable").drop(columns="_p")
     n_before = len(frame)
-    frame = frame.drop_duplicates("text", keep="first")
+    frame = frame.drop_duplicates(column, keep="first")
     dropped = {"duplicate text": n_before - len(frame), "text with conflicting labels": int(in_conflict.sum())}
     if any(dropped.values()):
         log.info("task %s: dropped %s", task, ", ".join(f"{reason} {n} rows" for reason, n in dropped.items() if n))
@@ -468,10 +492,12 @@ def split_task(frame: pd.DataFrame, spec: TaskSpec, seed: int = 0) -> dict[str, 
     order. Each split has columns ``text`` (str) and ``label`` (int64).
     """
     rng = _task_rng(seed, spec.name)
-    frame = frame[frame["text"].astype(str).str.strip().str.len() > 0]
+    column = example_column(frame)
+    if column == "text":
+        frame = frame[frame["text"].astype(str).str.strip().str.len() > 0]
     frame = _dedupe(frame, spec.name)
     # Canonical order, so the outcome does not depend on how the source ordered its rows.
-    frame = frame.sort_values(["label", "text"], kind="stable").reset_index(drop=True)
+    frame = frame.sort_values(["label", column], kind="stable").reset_index(drop=True)
     n_classes = int(frame["label"].max()) + 1 if len(frame) else 0
     requests = {"test": spec.n_test, "dev": spec.n_dev, "train": spec.max_train}
 
@@ -520,10 +546,10 @@ def _draw(
             [by_class[c][used[c] : used[c] + quota[c]] for c in range(n_classes)] + [np.array([], dtype=np.int64)]
         )
         used += quota
-        part = pool.loc[rng.permutation(chosen), ["text", "label"]]
-        out[split] = pd.DataFrame(
-            {"text": part["text"].astype(str).to_numpy(dtype=object), "label": part["label"].to_numpy(np.int64)}
-        )
+        column = example_column(pool)
+        part = pool.loc[rng.permutation(chosen), [column, "label"]]
+        examples = part[column] if column == "image" else part[column].astype(str)
+        out[split] = pd.DataFrame({column: examples.to_numpy(dtype=object), "label": part["label"].to_numpy(np.int64)})
     return out
 
 
@@ -534,7 +560,8 @@ def write_task(
     raw_labels: Mapping[str, str | None] | None = None,
     dropped: Mapping[str, int] | None = None,
 ) -> Path:
-    """Write ``<out_dir>/{train,dev,test}.parquet`` (``text`` string, ``label`` int64) and
+    """Write ``<out_dir>/{train,dev,test}.parquet`` (``text`` string or ``image`` PNG bytes,
+    ``label`` int64) and
     ``labels.json`` atomically: everything goes to a temporary folder next to ``out_dir``, which
     then replaces ``out_dir``; on failure nothing of it is left behind (and what a killed run
     left is removed by the next). ``labels.json`` holds ``classes`` (label i is ``classes[i]``),
@@ -549,7 +576,7 @@ def write_task(
         if split not in splits:
             raise ValueError(f"{out_dir}: split {split!r} missing (got {sorted(splits)})")
         frame = splits[split]
-        for column in ("text", "label"):
+        for column in (example_column(frame), "label"):
             if column not in frame.columns:
                 raise ValueError(f"{out_dir}: split {split!r} has no column {column!r}")
         bad = frame["label"][(frame["label"] < 0) | (frame["label"] >= len(labels))]
@@ -564,12 +591,12 @@ def write_task(
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; give it a normal folder's mode
         for split in SPLITS:
             frame = splits[split]
-            table = pa.table(
-                {
-                    "text": pa.array(frame["text"].astype(str).tolist(), type=pa.string()),
-                    "label": pa.array(frame["label"].to_numpy(np.int64), type=pa.int64()),
-                }
-            )
+            if example_column(frame) == "image":
+                examples = pa.array(frame["image"].tolist(), type=pa.binary())
+            else:
+                examples = pa.array(frame["text"].astype(str).tolist(), type=pa.string())
+            table = pa.table({example_column(frame): examples,
+                              "label": pa.array(frame["label"].to_numpy(np.int64), type=pa.int64())})
             pq.write_table(table, tmp / f"{split}.parquet")
         record = {"classes": labels, "raw_labels": dict(raw_labels or {}), "dropped": dict(dropped or {})}
         (tmp / "labels.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

@@ -1,6 +1,6 @@
 """FeatCal against the post-merge baselines, on the same calibration examples, scored on test.
 
-A `Workbench` holds what every comparison shares (base, experts with their heads, tokenizer, task
+A `Workbench` holds what every comparison shares (base, experts with their heads, input encoder, task
 splits). Each method reads exactly the calibration batches it is given (train split, labels
 unused); the scores read the test split once per model. `merge_context` supplies a data merge
 method (RegMean, AdaMerging, SigMerge, ...) with what it declares it needs: train batches, dev
@@ -27,10 +27,11 @@ from featcal.baselines.surgery import (
 from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.calibrate import calibrate
 from featcal.data.corrupt import corrupt_texts
-from featcal.data.splits import Batches, TaskSplit, calibration_subset, fixed_width, read_split, tokenize_batches
+from featcal.data.encoders import InputEncoder, load_encoder
+from featcal.data.splits import Batches, TaskSplit, calibration_subset, encode_batches, read_split
 from featcal.merging import MergeContext, data_options, get_method, split_options
 from featcal.merging.sigmerge import plot_admitted
-from featcal.io.models import load_backbone, load_classifier, load_tokenizer, with_backbone
+from featcal.io.models import load_backbone, load_classifier, with_backbone
 from featcal.profiling import Measurement, measure
 from featcal.evaluation.scoring import score_backbone as score_with_heads
 from featcal.finetune import accuracy
@@ -42,7 +43,7 @@ CALIBRATION_SPLIT = "train"
 class Workbench:
     base: nn.Module
     experts: dict[str, nn.Module]
-    tokenizer: object
+    encoder: InputEncoder
     tasks_dir: str
     lengths: dict[str, int]
     seed: int = 0
@@ -61,11 +62,11 @@ class Workbench:
 
 @dataclass
 class TaskData:
-    """What a calibration sample needs and no model: the tasks, their splits, the tokenizer, lengths,
+    """What a calibration sample needs and no model: the tasks, their splits, the input encoder, lengths,
     seed and batch size (a `Workbench` has the same fields, and the models besides)."""
 
     tasks: list[str]
-    tokenizer: object
+    encoder: InputEncoder
     tasks_dir: str
     lengths: dict[str, int]
     seed: int = 0
@@ -75,14 +76,14 @@ class TaskData:
 def load_workbench(base_ref: str, expert_dirs: Mapping[str, str], tasks_dir: str, lengths: Mapping[str, int],
                    seed: int = 0, batch_size: int = 16) -> Workbench:
     experts = {t: load_classifier(d) for t, d in expert_dirs.items()}
-    return Workbench(load_backbone(base_ref), experts, load_tokenizer(base_ref), tasks_dir, dict(lengths), seed, batch_size)
+    return Workbench(load_backbone(base_ref), experts, load_encoder(base_ref), tasks_dir, dict(lengths), seed, batch_size)
 
 
 def calibration_texts(bench: Workbench | TaskData, n: int, corruption: tuple[str, float] | None = None) -> dict[str, list[str]]:
     """n train examples per task (seeded), optionally corrupted; labels are dropped here."""
     out = {}
     for task in bench.tasks:
-        texts = calibration_subset(read_split(bench.tasks_dir, task, CALIBRATION_SPLIT), n, bench.seed).texts
+        texts = calibration_subset(read_split(bench.tasks_dir, task, CALIBRATION_SPLIT), n, bench.seed).examples
         if corruption is not None:
             texts = corrupt_texts(texts, corruption[0], corruption[1], bench.seed)
         out[task] = texts
@@ -91,8 +92,8 @@ def calibration_texts(bench: Workbench | TaskData, n: int, corruption: tuple[str
 
 def to_batches(bench: Workbench | TaskData, texts: Mapping[str, list[str]]) -> Batches:
     return {
-        t: tokenize_batches(bench.tokenizer, x, bench.lengths[t], bench.batch_size,
-                            pad_to=fixed_width(bench.tokenizer, x, bench.lengths[t]))
+        t: encode_batches(bench.encoder, x, bench.lengths[t], bench.batch_size,
+                          pad_to=bench.encoder.width(x, bench.lengths[t]))
         for t, x in texts.items()
     }
 
@@ -117,7 +118,7 @@ def merge_context(bench: Workbench | TaskData, method: str, data: Mapping[str, i
     if "shared_examples" in needs:
         texts = calibration_texts(bench, int(data["shared_examples_per_task"]))
         shared = [text for task in bench.tasks for text in texts[task]]
-        context.shared_batches = tokenize_batches(bench.tokenizer, shared, max(bench.lengths.values()), bench.batch_size)
+        context.shared_batches = encode_batches(bench.encoder, shared, max(bench.lengths.values()), bench.batch_size)
     return context
 
 
@@ -125,7 +126,7 @@ def merge_context(bench: Workbench | TaskData, method: str, data: Mapping[str, i
 def score_backbone(bench: Workbench, backbone: nn.Module, split: str = "test") -> dict[str, float]:
     """Accuracy per task on `split`: the backbone under each task's own head."""
     heads = {t: _fresh_copy(expert) for t, expert in bench.experts.items()}
-    return score_with_heads(backbone, heads, bench.tokenizer, {t: bench.split(t, split) for t in heads}, bench.lengths)
+    return score_with_heads(backbone, heads, bench.encoder, {t: bench.split(t, split) for t in heads}, bench.lengths)
 
 
 @torch.no_grad()
@@ -134,12 +135,12 @@ def score_surgery(bench: Workbench, backbone: nn.Module, modules: Mapping[str, n
     out = {}
     for task, expert in bench.experts.items():
         model = SurgeryClassifier(with_backbone(_fresh_copy(expert), backbone.state_dict()), modules[task]).eval()
-        out[task] = accuracy(model, bench.tokenizer, bench.split(task), bench.lengths[task])
+        out[task] = accuracy(model, bench.encoder, bench.split(task), bench.lengths[task])
     return out
 
 
 def score_experts(bench: Workbench, split: str = "test") -> dict[str, float]:
-    return {t: accuracy(m, bench.tokenizer, bench.split(t, split), bench.lengths[t]) for t, m in bench.experts.items()}
+    return {t: accuracy(m, bench.encoder, bench.split(t, split), bench.lengths[t]) for t, m in bench.experts.items()}
 
 
 def run_featcal(bench: Workbench, merged: nn.Module, batches: Batches, config: FeatCalConfig) -> tuple[nn.Module, Measurement]:

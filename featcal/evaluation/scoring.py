@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from featcal.calibration.calibrate import block_drift, enter_streams, LayerDrift
+from featcal.data.encoders import InputEncoder
 from featcal.data.splits import TaskSplit
 from featcal.families import Family
 from featcal.io.checkpoints import with_backbone_assigned
@@ -60,13 +61,13 @@ def layer_drift(family: Family, experts: Mapping[str, nn.Module], candidate: nn.
 
 
 @torch.no_grad()
-def score_backbone(backbone: nn.Module, heads: Mapping[str, nn.Module], tokenizer, splits: Mapping[str, TaskSplit],
+def score_backbone(backbone: nn.Module, heads: Mapping[str, nn.Module], encoder: InputEncoder, splits: Mapping[str, TaskSplit],
                    max_length: Mapping[str, int]) -> dict[str, float]:
     """Accuracy per task of `backbone` under each task's head: the one scorer of the project.
 
     `heads[task]` is a task model (an expert, or a `featcal.io.checkpoints.load_head` model) whose backbone is
     replaced by `backbone`'s parameters (shared, not copied); only tasks in `heads` are scored."""
-    return {t: accuracy(with_backbone_assigned(heads[t], backbone), tokenizer, splits[t], max_length[t]) for t in heads}
+    return {t: accuracy(with_backbone_assigned(heads[t], backbone), encoder, splits[t], max_length[t]) for t in heads}
 
 
 def summary(scores: Mapping[str, float]) -> dict[str, float]:

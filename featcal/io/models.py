@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoModelForImageClassification, AutoModelForSequenceClassification
 
 PACKAGE_PREFIX = "package:"
 # ‖θ_expert − θ_base‖ / ‖θ_base‖ over the backbone's weight matrices: fine-tunes stay far below
@@ -91,22 +91,27 @@ def resolve_model_ref(ref: str | os.PathLike) -> str:
     return str(path)
 
 
-def load_tokenizer(ref: str):
-    return AutoTokenizer.from_pretrained(resolve_model_ref(ref))
-
-
 def load_backbone(ref: str) -> nn.Module:
     """The bare backbone (`AutoModel`), e.g. the pretrained base; non-finite weights are an error."""
     path = resolve_model_ref(ref)
     return checked_load(AutoModel.from_pretrained(path), path)
 
 
+def task_model_class(config) -> type:
+    """The task-model class of a config: image classification for vision models, else sequence
+    classification."""
+    from featcal.data.encoders import is_image_model
+
+    return AutoModelForImageClassification if is_image_model(config.model_type) else AutoModelForSequenceClassification
+
+
 def load_classifier(ref: str, num_labels: int | None = None) -> nn.Module:
-    """A sequence-classification model; a new head is initialised when `num_labels` is given.
-    Non-finite weights are an error naming the file and the tensor."""
+    """A sequence- or image-classification model; a new head is initialised when `num_labels` is
+    given. Non-finite weights are an error naming the file and the tensor."""
     kwargs = {} if num_labels is None else {"num_labels": num_labels}
     path = resolve_model_ref(ref)
-    return checked_load(AutoModelForSequenceClassification.from_pretrained(path, **kwargs), path)
+    task_class = task_model_class(AutoConfig.from_pretrained(path))
+    return checked_load(task_class.from_pretrained(path, **kwargs), path)
 
 
 # --- weights checked where they enter and leave ----------------------------------------------------------
@@ -323,7 +328,7 @@ def save_multitask(
     out_dir: str | os.PathLike,
     backbone: nn.Module,
     task_models: Mapping[str, nn.Module],
-    tokenizer=None,
+    encoder=None,
 ) -> None:
     """Backbone via `save_pretrained` (safetensors) + one head folder per task, written atomically.
     Nothing is written when any tensor is NaN or infinite."""
@@ -332,15 +337,15 @@ def save_multitask(
         check_finite(head_state(model), f"refusing to write {out_dir}: the head of task {task!r}")
     with atomic_dir(out_dir) as tmp:
         backbone.save_pretrained(tmp)
-        save_heads(tmp, task_models, tokenizer)
+        save_heads(tmp, task_models, encoder)
 
 
-def save_heads(folder: str | os.PathLike, task_models: Mapping[str, nn.Module], tokenizer=None) -> None:
-    """The multi-task layout's other half: `heads/<task>/` (config + head tensors) and the tokenizer,
-    written into a folder that holds (or will hold) the backbone."""
+def save_heads(folder: str | os.PathLike, task_models: Mapping[str, nn.Module], encoder=None) -> None:
+    """The multi-task layout's other half: `heads/<task>/` (config + head tensors) and the input
+    encoder (tokenizer or image processor), written into a folder that holds (or will hold) the backbone."""
     folder = Path(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+    if encoder is not None:
+        encoder.save_pretrained(folder)
     for task, model in task_models.items():
         check_finite(head_state(model), f"refusing to write {folder}: the head of task {task!r}")
         head_dir = folder / "heads" / task
@@ -357,7 +362,7 @@ def load_task_model(model_dir: str | os.PathLike, task: str) -> nn.Module:
         known = sorted(p.name for p in (model_dir / "heads").iterdir()) if (model_dir / "heads").exists() else []
         raise FileNotFoundError(f"{model_dir}: no head for task {task!r} (heads: {known})")
     config = AutoConfig.from_pretrained(head_dir)
-    model = AutoModelForSequenceClassification.from_config(config)
+    model = task_model_class(config).from_config(config)
     backbone_of(model).load_state_dict(AutoModel.from_pretrained(model_dir).state_dict())
     missing, unexpected = model.load_state_dict(load_file(head_dir / "head.safetensors"), strict=False)
     head_missing = [k for k in missing if not k.startswith(model.base_model_prefix + ".")]

@@ -30,7 +30,8 @@ from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
 from featcal.data.splits import TaskSplit, batches_from_arrays, read_split
 from featcal.evaluation.scoring import score_backbone
 from featcal.families import Family, family_for
-from featcal.io.models import load_backbone, load_classifier, load_tokenizer
+from featcal.data.encoders import InputEncoder, load_encoder
+from featcal.io.models import load_backbone, load_classifier
 from featcal.io.feature_store import read_group
 from featcal.calibration.walk import CachedExpertStates, ModuleWeights, walk_all
 
@@ -100,15 +101,18 @@ class DevSplit:
     dropped: int = 0
 
 
-def drop_calibration_overlap(split: TaskSplit, tokenizer, max_length: int, input_ids: Tensor,
-                             attention_mask: Tensor) -> tuple[TaskSplit, int]:
-    """Remove examples whose token sequence is one of the calibration rows (real tokens only), so a
-    dev score never rewards fitting an example that calibration saw."""
-    seen = {tuple(ids[m.bool()].tolist()) for ids, m in zip(input_ids, attention_mask)}
-    encoded = tokenizer(split.texts, truncation=True, max_length=max_length)["input_ids"]
-    keep = [i for i, ids in enumerate(encoded) if tuple(ids) not in seen]
-    kept = TaskSplit(split.task, split.split, [split.texts[i] for i in keep], split.labels[keep])
-    return kept, len(split.texts) - len(keep)
+def drop_calibration_overlap(split: TaskSplit, encoder: InputEncoder, max_length: int,
+                             inputs: Mapping[str, Tensor]) -> tuple[TaskSplit, int]:
+    """Remove examples the model sees exactly as one of the calibration rows (token ids of the real
+    tokens; pixels), so a dev score never rewards fitting an example that calibration saw."""
+    if "input_ids" in inputs:
+        seen = {tuple(ids[m.bool()].tolist()) for ids, m in zip(inputs["input_ids"], inputs["attention_mask"])}
+    else:
+        seen = {tuple(row.flatten().tolist()) for row in inputs["pixel_values"]}
+    encoded = encoder.identities(split.examples, max_length)
+    keep = [i for i, ids in enumerate(encoded) if ids not in seen]
+    kept = TaskSplit(split.task, split.split, [split.examples[i] for i in keep], split.labels[keep])
+    return kept, len(split.examples) - len(keep)
 
 
 class TuneProblem:
@@ -123,13 +127,13 @@ class TuneProblem:
         batches: Mapping[str, list[dict[str, Tensor]]],
         expert_states: Callable[[int], Mapping[str, Tensor]],
         dev: Mapping[str, DevSplit],
-        tokenizer,
+        encoder: InputEncoder,
         family: Family | None = None,
     ):
         self.family = family or family_for(merged)
         self.merged = self.family.backbone(merged).eval()
         self.base, self.experts, self.batches = base, dict(experts), dict(batches)
-        self.dev, self.tokenizer = dict(dev), tokenizer
+        self.dev, self.encoder = dict(dev), encoder
         missing = set(self.dev) - set(self.experts)
         if missing:
             raise KeyError(f"dev splits for tasks without an expert: {sorted(missing)}")
@@ -161,7 +165,7 @@ class TuneProblem:
     @torch.no_grad()
     def score(self, backbone: nn.Module) -> dict[str, float]:
         """Dev accuracy per task, each task's head on `backbone` (`featcal.evaluation.scoring.score_backbone`)."""
-        return score_backbone(backbone, self._scorers, self.tokenizer, {t: d.split for t, d in self.dev.items()},
+        return score_backbone(backbone, self._scorers, self.encoder, {t: d.split for t, d in self.dev.items()},
                               {t: d.max_length for t, d in self.dev.items()})
 
     def fingerprint(self, config: FeatCalConfig, space: SearchSpace) -> str:
@@ -191,8 +195,10 @@ class TuneProblem:
                 h.update(f"{layer}/{task}".encode())
                 tensor(value)
         for task, d in sorted(self.dev.items()):
-            h.update(f"{task}/{d.max_length}/{len(d.split.texts)}".encode())
-            h.update("\0".join(d.split.texts).encode())
+            h.update(f"{task}/{d.max_length}/{len(d.split.examples)}".encode())
+            for example in d.split.examples:
+                h.update(example if isinstance(example, bytes) else example.encode())
+                h.update(b"\0")
             tensor(d.split.labels)
         fixed = {k: v for k, v in dataclasses.asdict(config).items() if k not in space.ranges}
         h.update(repr(sorted(fixed.items())).encode())
@@ -207,7 +213,7 @@ def load_problem(
     """Load a problem from files: `merged` (multi-task folder), `experts_dir/<task>`, the
     expert-feature caches `features/{inputs,layer_XX}.zarr` and `tasks_dir/<task>/dev.parquet`."""
     features = Path(features)
-    tokenizer = load_tokenizer(str(merged))
+    encoder = load_encoder(str(merged))
     inputs = read_group(features / "inputs.zarr")
     batches = batches_from_arrays(inputs, batch_size)
     missing = set(tasks) - set(batches)
@@ -216,9 +222,10 @@ def load_problem(
     batches = {t: batches[t] for t in tasks}
     dev = {}
     for task in tasks:
-        split, dropped = drop_calibration_overlap(read_split(tasks_dir, task, "dev"), tokenizer, max_length[task],
-                                                  inputs[f"input_ids/{task}"], inputs[f"attention_mask/{task}"])
-        if not split.texts:
+        split, dropped = drop_calibration_overlap(read_split(tasks_dir, task, "dev"), encoder, max_length[task],
+                                                  {k.partition("/")[0]: v for k, v in inputs.items()
+                                                   if k.partition("/")[2] == task})
+        if not split.examples:
             raise ValueError(f"task {task!r}: every dev example is also in the calibration sample")
         if dropped:
             log.warning("task %s: %d dev examples also in the calibration sample are not scored", task, dropped)
@@ -230,7 +237,7 @@ def load_problem(
 
     return TuneProblem(load_backbone(str(merged)), load_backbone(base),
                        {t: load_classifier(str(Path(experts_dir) / t)) for t in tasks},
-                       batches, expert_states, dev, tokenizer)
+                       batches, expert_states, dev, encoder)
 
 
 # --- the objective -------------------------------------------------------------------------------------
