@@ -500,6 +500,14 @@ def base_model_info(params: Params) -> BaseModelInfo:
                           "process only (featcal.calibrate, docs/api.md), not in this pipeline: its stages cache each "
                           "block's input states, and these blocks also take inputs made by other blocks (position "
                           "biases, the encoder's output)")
+    from featcal.io.models import task_model_class
+
+    task_class = task_model_class(config)
+    if type(config) not in task_class._model_mapping:
+        raise ParamsError(f"model.base = {params.model.base!r}: model type {config.model_type!r} has no "
+                          f"{task_class.__name__} class, and the pipeline fine-tunes and scores one task model per "
+                          "task (a CLIP vision tower's zero-shot heads are built in the library: "
+                          "featcal.families.clip_zero_shot, docs/api.md)")
     positions = getattr(config, "max_position_embeddings", None)
     return BaseModelInfo(config.model_type, int(config.num_hidden_layers), positions)
 

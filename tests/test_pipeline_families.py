@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import LlamaForSequenceClassification, T5Config, T5Model, ViTForImageClassification
+from transformers import (CLIPVisionConfig, CLIPVisionModelWithProjection, LlamaForSequenceClassification, T5Config,
+                          T5Model, ViTForImageClassification)
 
 from conftest import DOWNSTREAM, DVC, UPSTREAM, stages_run
 from featcal.data.encoders import load_encoder
@@ -78,3 +79,14 @@ def test_a_t5_base_is_refused_before_any_stage_runs_naming_the_key_and_the_way_t
         common.load_params(tmp_path / "params.yaml", check_chain=False)
     message = str(err.value.code)
     assert "model.base" in message and "'t5'" in message and "featcal.calibrate" in message, message
+
+
+def test_a_clip_vision_tower_base_is_refused_naming_the_key_and_where_zero_shot_heads_are_built(tmp_path):
+    config = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=8, patch_size=2, projection_dim=16)
+    CLIPVisionModelWithProjection(config).save_pretrained(tmp_path / "clip")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(tmp_path / "clip", image_tasks()), sort_keys=False))
+    with pytest.raises(SystemExit) as err:
+        common.load_params(tmp_path / "params.yaml", check_chain=False)
+    message = str(err.value.code)
+    assert "model.base" in message and "'clip_vision_model'" in message and "clip_zero_shot" in message, message

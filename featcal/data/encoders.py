@@ -4,6 +4,7 @@ tuning never ask which kind of task they hold."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Sequence
 
@@ -82,8 +83,10 @@ def load_encoder(ref: str | os.PathLike) -> InputEncoder:
 
     path = resolve_model_ref(ref)
     if is_image_model(AutoConfig.from_pretrained(path).model_type):
+        # without torchvision, transformers falls back to the PIL processor with a warning: ask for it
+        backend = {} if importlib.util.find_spec("torchvision") else {"backend": "pil"}
         try:
-            return ImageEncoder(AutoImageProcessor.from_pretrained(path))
+            return ImageEncoder(AutoImageProcessor.from_pretrained(path, **backend))
         except OSError as err:
             raise FileNotFoundError(f"{ref}: an image model needs its image processor "
                                     f"(preprocessor_config.json): {err}") from None

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from featcal.families import Family
-from featcal.io.models import backbone_of, resolve_model_ref
+from featcal.io.models import backbone_kwargs, backbone_of, resolve_model_ref
 from featcal.profiling import phase
 
 
@@ -364,23 +364,9 @@ def empty_backbone(ref: str | os.PathLike) -> nn.Module:
 
     config = AutoConfig.from_pretrained(resolve_model_ref(ref))
     with _parameters_on_meta():
-        model = AutoModel.from_config(config, **backbone_kwargs(ref, config))
+        model = AutoModel.from_config(config, **backbone_kwargs(CheckpointReader(ref).keys(), config))
     model.tie_weights()   # as from_pretrained does (T5's shared embeddings): one parameter under each name
     return model.eval()
-
-
-def backbone_kwargs(ref: str | os.PathLike, config) -> dict:
-    """`add_pooling_layer=False` for a checkpoint without pooler tensors whose backbone would
-    otherwise get one (a ViT image classifier's `vit` has none; `ViTModel` adds one by default)."""
-    import inspect
-
-    from transformers import AutoModel
-
-    model_class = AutoModel._model_mapping.get(type(config), None)
-    if model_class is None or "add_pooling_layer" not in inspect.signature(model_class.__init__).parameters:
-        return {}
-    has_pooler = any(n.startswith("pooler.") or ".pooler." in n for n in CheckpointReader(ref).keys())
-    return {} if has_pooler else {"add_pooling_layer": False}
 
 
 def load_head(expert_dir: str | os.PathLike) -> nn.Module:

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -94,10 +94,22 @@ def resolve_model_ref(ref: str | os.PathLike) -> str:
 
 def load_backbone(ref: str) -> nn.Module:
     """The bare backbone (`AutoModel`), e.g. the pretrained base; non-finite weights are an error."""
-    from featcal.io.checkpoints import backbone_kwargs
-
     path = resolve_model_ref(ref)
-    return checked_load(AutoModel.from_pretrained(path, **backbone_kwargs(path, AutoConfig.from_pretrained(path))), path)
+    names = stored_tensors(Path(path)) if Path(path).is_dir() else None
+    return checked_load(AutoModel.from_pretrained(path, **backbone_kwargs(names, AutoConfig.from_pretrained(path))), path)
+
+
+def backbone_kwargs(tensor_names: Iterable[str] | None, config) -> dict:
+    """`add_pooling_layer=False` for a checkpoint (holding `tensor_names`; None: unknown) without
+    pooler tensors whose backbone would otherwise get one (a ViT image classifier's `vit` has
+    none; `ViTModel` adds one by default)."""
+    import inspect
+
+    model_class = AutoModel._model_mapping.get(type(config), None)
+    if tensor_names is None or model_class is None or "add_pooling_layer" not in inspect.signature(model_class.__init__).parameters:
+        return {}
+    has_pooler = any(n.startswith("pooler.") or ".pooler." in n for n in tensor_names)
+    return {} if has_pooler else {"add_pooling_layer": False}
 
 
 def task_model_class(config) -> type:
@@ -136,22 +148,29 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
         raise NonFiniteWeightsError(f"{where}: tensor {found[0]!r} holds {found[1]}")
 
 
+def stored_tensors(folder: Path) -> dict[str, Path] | None:
+    """Tensor name -> weight file of a checkpoint folder (its index, or its one safetensors file);
+    None where the folder does not say (a `.bin` file, no weights)."""
+    for index in INDEX_FILES:
+        if (folder / index).is_file():
+            return {k: folder / v for k, v in json.loads((folder / index).read_text())["weight_map"].items()}
+    if (folder / WEIGHT_FILES[0]).is_file():
+        from safetensors import safe_open
+
+        with safe_open(folder / WEIGHT_FILES[0], "pt") as handle:
+            return dict.fromkeys(handle.keys(), folder / WEIGHT_FILES[0])
+    return None
+
+
 def _checkpoint_file(folder: Path, name: str, prefix: str) -> tuple[str, str]:
     """The weight file of a folder holding tensor `name`, and the tensor's name in that file."""
     candidates = [name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")]
-    for index in INDEX_FILES:
-        if (folder / index).is_file():
-            weight_map = json.loads((folder / index).read_text())["weight_map"]
-            key = next((k for k in candidates if k in weight_map), name)
-            return str(folder / weight_map.get(key, index)), key
+    stored = stored_tensors(folder)
+    if stored is not None:
+        key = next((k for k in candidates if k in stored), name)
+        return str(stored.get(key, folder)), key
     for file in WEIGHT_FILES:
         if (folder / file).is_file():
-            if file.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                with safe_open(folder / file, "pt") as handle:
-                    keys = set(handle.keys())
-                return str(folder / file), next((k for k in candidates if k in keys), name)
             return str(folder / file), name
     return str(folder), name
 
