@@ -114,3 +114,11 @@ def live_log(directory: str | os.PathLike):
 
     with Live(dir=str(directory), save_dvc_exp=False, dvcyaml=False) as live:
         yield live
+
+
+def log_step(live, step: int, metrics: dict[str, float]) -> None:
+    """One row per metric at `step` (an epoch, a trial number) in a `live_log` logger."""
+    live.step = step
+    for name, value in metrics.items():
+        live.log_metric(name, value)
+    live.next_step()

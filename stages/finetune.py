@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import get, live_log, load_params, max_length, setup_logging, timed
+from common import get, live_log, load_params, log_step, max_length, setup_logging, timed
 
 from featcal.data.splits import num_labels, read_split
 from featcal.data.encoders import load_encoder
@@ -41,19 +41,19 @@ def main() -> None:
             config = FinetuneConfig(max_length=length, seed=int(get(params, "seed")), **settings)
             torch.manual_seed(config.seed)
             model = load_classifier(base_ref, num_labels=num_labels(tasks_dir, task))
+            last: dict[str, float] = {}
 
             def log_epoch(epoch: int, metrics: dict[str, float]) -> None:
-                live.step = epoch
-                for name, value in metrics.items():
-                    live.log_metric(name, value)
-                live.next_step()
+                last.update(metrics)
+                log_step(live, epoch, metrics)
 
             model = finetune(model, encoder, read_split(tasks_dir, task, "train"), config,
                              dev=read_split(tasks_dir, task, "dev"), on_epoch=log_epoch)
-        scores = {s: accuracy(model, encoder, read_split(tasks_dir, task, s), length) for s in ("dev", "test")}
+        # the last epoch's dev accuracy is the final model's (its dev forwards leave the weights alone)
+        dev = last["dev_accuracy"] if not existing else accuracy(model, encoder, read_split(tasks_dir, task, "dev"), length)
+        scores = {"dev": dev, "test": accuracy(model, encoder, read_split(tasks_dir, task, "test"), length)}
         if existing:   # no epochs: the given model's dev accuracy, so the logger's outputs exist
-            live.log_metric("dev_accuracy", scores["dev"])
-            live.next_step()
+            log_step(live, 0, {"dev_accuracy": dev})
         check_finite(model.state_dict(), f"refusing to write {args.out}: the {'given' if existing else 'fine-tuned'} model")
         with atomic_dir(args.out) as tmp:
             model.save_pretrained(tmp)

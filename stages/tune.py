@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import os
 
-from common import enabled_tasks, get, live_log, load_params, max_length, setup_logging, timed
+from common import enabled_tasks, get, live_log, load_params, log_step, max_length, setup_logging, timed
 from params_schema import Tune as TuneParams
 
 from featcal.calibration.config import FeatCalConfig
@@ -76,10 +76,7 @@ def log_trials(study, directory: str) -> None:
     with live_log(directory) as live:
         for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number):
             best = trial.value if best is None else max(best, trial.value)
-            live.step = trial.number
-            live.log_metric("dev_accuracy", trial.value)
-            live.log_metric("best_dev_accuracy", best)
-            live.next_step()
+            log_step(live, trial.number, {"dev_accuracy": trial.value, "best_dev_accuracy": best})
 
 
 def main(argv: list[str] | None = None) -> None:
