@@ -18,7 +18,8 @@ from typing import Mapping, Sequence
 
 import torch
 import yaml
-from transformers import BertConfig, BertModel, BertTokenizer, LlamaConfig, LlamaModel, ViTConfig, ViTImageProcessor, ViTModel
+from transformers import (BertConfig, BertModel, BertTokenizer, LlamaConfig, LlamaModel, ViTConfig, ViTImageProcessorPil,
+                          ViTModel)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["good", "bad", "great", "awful", "movie", "film", "sport", "team", "vote", "party", "the", "a", "and", "news"]
@@ -71,8 +72,8 @@ def make_vit_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int =
     config = ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                        intermediate_size=intermediate, image_size=image_size, patch_size=patch_size)
     ViTModel(config, add_pooling_layer=False).save_pretrained(path)
-    ViTImageProcessor(size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
-                      image_std=[0.5] * 3).save_pretrained(path)
+    ViTImageProcessorPil(size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
+                         image_std=[0.5] * 3).save_pretrained(path)
 
 
 def image_tasks(*, max_train: int = 60, n_dev: int = 20, n_test: int = 30) -> dict[str, dict]:
