@@ -144,15 +144,36 @@ def test_surgery_classifier_identity_then_differs():
     assert torch.allclose(logits, expected, atol=1e-5)
 
 
+def test_surgery_on_a_vit_image_classifier_reads_the_cls_token_its_head_reads():
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    model = ViTForImageClassification(ViTConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=4,
+                                                intermediate_size=32, image_size=8, patch_size=4, num_labels=3)).eval()
+    batches = [{"pixel_values": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    f_m = representations(model, batches)
+    with torch.no_grad():
+        cls = torch.cat([model.vit(**b).last_hidden_state[:, 0] for b in batches])
+        assert torch.equal(f_m, cls) and torch.equal(representations(model.vit, batches), cls)
+        untouched = SurgeryClassifier(model, SurgeryModule(D)).eval()   # zero-initialised: the model itself
+        assert all(torch.allclose(untouched(**b).logits, model(**b).logits, atol=1e-6) for b in batches)
+    modules = train_surgery({"t": f_m}, {"t": f_m + 0.5}, SurgeryConfig(iterations=60, progress=False), split="train")
+    trained = SurgeryClassifier(model, modules["t"]).eval()
+    with torch.no_grad():
+        logits = torch.cat([trained(**b).logits for b in batches])
+        assert torch.allclose(logits, model.classifier(modules["t"](f_m)), atol=1e-5)
+        assert not torch.allclose(logits, torch.cat([model(**b).logits for b in batches]), atol=1e-4)
+
+
 def test_surgery_classifier_refuses_other_architectures():
     class NotBert(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.classifier = torch.nn.Linear(D, 2)
 
-    with pytest.raises(TypeError, match="BERT-style"):
+    with pytest.raises(TypeError, match="BERT-style sequence classification"):
         SurgeryClassifier(NotBert(), SurgeryModule(D))
-    with pytest.raises(TypeError, match="BERT-style"):
+    with pytest.raises(TypeError, match="BERT-style sequence classification"):
         representations(NotBert(), tiny_batches(1))
 
 

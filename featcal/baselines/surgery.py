@@ -32,7 +32,7 @@ from featcal.io.models import atomic_dir
 
 CALIBRATION_SPLIT = "train"
 KINDS = ("surgery", "probsurgery")
-MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+MODEL_INPUT_KEYS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "pixel_values")
 META_FILE = "surgery.json"
 WEIGHTS_FILE = "surgery.safetensors"
 
@@ -309,17 +309,42 @@ def feature_l1(
 # --- the deployed form --------------------------------------------------------------------------------
 
 
-def _bert_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, nn.Module]:
-    """(encoder with pooler, dropout, classifier) of a BERT-style sequence-classification model."""
-    bert, classifier = getattr(model, "bert", None), getattr(model, "classifier", None)
-    if bert is None or not isinstance(classifier, nn.Linear) or getattr(bert, "pooler", None) is None:
-        raise TypeError(
-            f"{type(model).__name__}: Surgery/ProbSurgery deployment is implemented for BERT-style "
-            "sequence classification only (model.bert with a pooler, and a Linear model.classifier "
-            "reading the pooler output); other heads read a different representation"
-        )
-    dropout = getattr(model, "dropout", None)
-    return bert, dropout if dropout is not None else nn.Identity(), classifier
+@dataclass
+class HeadParts:
+    """How a task model's head reads its backbone: the representation f_M that the head's
+    classifier reads (through `dropout`), and that classifier."""
+
+    backbone: nn.Module
+    kind: str   # "pooler" (BERT: the pooler output) or "cls" (ViT: the final layernorm's CLS token)
+    dropout: nn.Module
+    classifier: nn.Module
+
+    def represent(self, batch: Mapping[str, Tensor]) -> Tensor:
+        out = self.backbone(**_model_inputs(batch), return_dict=True)
+        return out.pooler_output if self.kind == "pooler" else out.last_hidden_state[:, 0]
+
+
+def head_parts(model: nn.Module) -> HeadParts:
+    """The parts of a BERT-style sequence classifier (`bert` with a pooler, Linear `classifier`
+    on the pooler output) or a ViT image classifier (`vit`, Linear `classifier` on the CLS token of
+    the last, layer-normed hidden state); a bare BERT with a pooler or a bare ViT gives its f_M only."""
+    classifier = getattr(model, "classifier", None)
+    dropout = getattr(model, "dropout", None) or nn.Identity()
+    bert, vit = getattr(model, "bert", None), getattr(model, "vit", None)
+    if bert is not None and getattr(bert, "pooler", None) is not None and isinstance(classifier, nn.Linear):
+        return HeadParts(bert, "pooler", dropout, classifier)
+    if vit is not None and isinstance(classifier, nn.Linear):
+        return HeadParts(vit, "cls", nn.Identity(), classifier)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if classifier is None and bert is None and vit is None and model_type in ("bert", "vit"):
+        if model_type == "vit" or getattr(model, "pooler", None) is not None:
+            return HeadParts(model, "pooler" if model_type == "bert" else "cls", nn.Identity(), nn.Identity())
+    raise TypeError(
+        f"{type(model).__name__}: Surgery/ProbSurgery deployment is implemented for BERT-style sequence "
+        "classification (model.bert with a pooler, and a Linear model.classifier reading the pooler output) and ViT "
+        "image classification (model.vit, and a Linear model.classifier reading the CLS token); other heads read a "
+        "different representation"
+    )
 
 
 def _model_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -327,13 +352,13 @@ def _model_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 class SurgeryClassifier(nn.Module):
-    """A task's sequence-classification model with a Surgery/ProbSurgery module between the
-    representation its head reads (BERT: the pooler output) and the head:
-    logits = classifier(dropout(module(pooler_output)))."""
+    """A task's classification model with a Surgery/ProbSurgery module between the representation
+    its head reads (BERT: the pooler output; ViT: the CLS token) and the head:
+    logits = classifier(dropout(module(f_M)))."""
 
     def __init__(self, task_model: nn.Module, module: nn.Module):
         super().__init__()
-        _bert_parts(task_model)
+        head_parts(task_model)
         d = task_model.config.hidden_size
         if getattr(module, "d", d) != d:
             raise ValueError(f"module width {module.d} does not match the model's hidden size {d}")
@@ -342,16 +367,15 @@ class SurgeryClassifier(nn.Module):
         self.config = task_model.config
 
     def representation(self, **batch: Tensor) -> Tensor:
-        """f_M: the representation the head reads (the pooler output)."""
-        bert, _, _ = _bert_parts(self.model)
-        return bert(**_model_inputs(batch), return_dict=True).pooler_output
+        """f_M: the representation the head reads."""
+        return head_parts(self.model).represent(batch)
 
     def forward(self, labels: Tensor | None = None, **batch: Tensor) -> SequenceClassifierOutput:
-        _, dropout, classifier = _bert_parts(self.model)
-        f_m = self.representation(**batch)
+        parts = head_parts(self.model)
+        f_m = parts.represent(batch)
         param = next(self.surgery.parameters(), None)
         f_hat = self.surgery(f_m.to(param.dtype) if param is not None else f_m).to(f_m.dtype)
-        logits = classifier(dropout(f_hat))
+        logits = parts.classifier(parts.dropout(f_hat))
         return SequenceClassifierOutput(loss=None if labels is None else _loss(self.config, logits, labels), logits=logits)
 
 
@@ -371,22 +395,17 @@ def _loss(config, logits: Tensor, labels: Tensor) -> Tensor:
 
 @torch.no_grad()
 def representations(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> Tensor:
-    """f_M for every example of `batches` ([n, d]): the representation a BERT-style head reads
-    (the pooler output). `model` is a sequence-classification model, or a bare BERT with a pooler."""
-    if hasattr(model, "bert") or getattr(model, "pooler", None) is None:
-        bert = _bert_parts(model)[0]
-    else:
-        bert = model  # a bare BERT encoder with its pooler
-    was_training = bert.training
-    bert.eval()
+    """f_M for every example of `batches` ([n, d]): the representation the head reads (`head_parts`).
+    `model` is a task model, or its bare backbone."""
+    parts = head_parts(model)
+    backbone = parts.backbone
+    was_training = backbone.training
+    backbone.eval()
     try:
-        device = next(bert.parameters()).device
-        feats = [
-            bert(**{k: v.to(device) for k, v in _model_inputs(b).items()}, return_dict=True).pooler_output
-            for b in batches
-        ]
+        device = next(backbone.parameters()).device
+        feats = [parts.represent({k: v.to(device) for k, v in b.items()}) for b in batches]
     finally:
-        bert.train(was_training)
+        backbone.train(was_training)
     if not feats:
         raise ValueError("no batches")
     return torch.cat(feats)

@@ -44,6 +44,13 @@ def to_png(value: Any, where: str) -> bytes:
     return out.getvalue()
 
 
+def pixels(png: bytes) -> np.ndarray:
+    """The stored pixels as an array (H x W, or H x W x channels), in the image's own mode."""
+    from PIL import Image
+
+    return np.asarray(Image.open(io.BytesIO(png)))
+
+
 def decode(png: bytes, mode: str = "RGB"):
     """The PIL image of stored bytes, in `mode` (the image processors expect RGB)."""
     from PIL import Image

@@ -26,7 +26,7 @@ from featcal.baselines.surgery import (
 )
 from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.calibrate import calibrate
-from featcal.data.corrupt import corrupt_texts
+from featcal.data.corrupt import corrupt_examples
 from featcal.data.encoders import InputEncoder, load_encoder
 from featcal.data.splits import Batches, TaskSplit, calibration_subset, encode_batches, read_split
 from featcal.merging import MergeContext, data_options, get_method, split_options
@@ -79,13 +79,13 @@ def load_workbench(base_ref: str, expert_dirs: Mapping[str, str], tasks_dir: str
     return Workbench(load_backbone(base_ref), experts, load_encoder(base_ref), tasks_dir, dict(lengths), seed, batch_size)
 
 
-def calibration_texts(bench: Workbench | TaskData, n: int, corruption: tuple[str, float] | None = None) -> dict[str, list[str]]:
+def calibration_examples(bench: Workbench | TaskData, n: int, corruption: tuple[str, float] | None = None) -> dict[str, list[str]]:
     """n train examples per task (seeded), optionally corrupted; labels are dropped here."""
     out = {}
     for task in bench.tasks:
         texts = calibration_subset(read_split(bench.tasks_dir, task, CALIBRATION_SPLIT), n, bench.seed).examples
         if corruption is not None:
-            texts = corrupt_texts(texts, corruption[0], corruption[1], bench.seed)
+            texts = corrupt_examples(texts, corruption[0], corruption[1], bench.seed)
         out[task] = texts
     return out
 
@@ -111,12 +111,12 @@ def merge_context(bench: Workbench | TaskData, method: str, data: Mapping[str, i
     data = {**data_options(method), **dict(data or {})}
     context = MergeContext()
     if "activations" in needs:
-        context.batches = to_batches(bench, calibration_texts(bench, int(data["examples_per_task"])))
+        context.batches = to_batches(bench, calibration_examples(bench, int(data["examples_per_task"])))
     if "dev_scores" in needs:
         context.score_dev = lambda backbone: score_backbone(bench, backbone, split="dev")
         context.expert_dev = score_experts(bench, split="dev")
     if "shared_examples" in needs:
-        texts = calibration_texts(bench, int(data["shared_examples_per_task"]))
+        texts = calibration_examples(bench, int(data["shared_examples_per_task"]))
         shared = [text for task in bench.tasks for text in texts[task]]
         context.shared_batches = encode_batches(bench.encoder, shared, max(bench.lengths.values()), bench.batch_size)
     return context
