@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from featcal.data.encoders import InputEncoder
+from featcal.data.encoders import InputEncoder, check_examples
 from featcal.data.splits import TaskSplit, encode_batches
 
 
@@ -35,6 +35,7 @@ def finetune(model: nn.Module, encoder: InputEncoder, train: TaskSplit, config: 
     `on_epoch(epoch, metrics)` gets the epoch (1, 2, ...), its mean `train_loss` and, given `dev`,
     its `dev_accuracy`. The dev forwards draw no random numbers: the weights are those of a run
     without logging, bit for bit."""
+    check_examples(encoder, train.examples, train.task)
     torch.manual_seed(config.seed)
     g = torch.Generator().manual_seed(config.seed)
     n = len(train.examples)
@@ -85,5 +86,6 @@ def predict(model: nn.Module, encoder: InputEncoder, examples: list, max_length:
 
 
 def accuracy(model: nn.Module, encoder: InputEncoder, split: TaskSplit, max_length: int) -> float:
+    check_examples(encoder, split.examples, split.task)
     preds = predict(model, encoder, split.examples, max_length)
     return float((preds == split.labels).float().mean())

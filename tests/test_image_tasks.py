@@ -108,3 +108,19 @@ def test_the_image_encoder_gives_the_processors_pixels_and_the_cache_keeps_them_
     back = batches_from_arrays(batches_to_arrays({"digits": batches}), batch_size=2)["digits"]
     assert back[0]["pixel_values"].dtype == torch.float32
     assert all(torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(batches, back))
+
+
+def test_a_task_of_the_other_kind_than_the_model_is_refused_naming_the_task(tmp_path):
+    from transformers import BertTokenizer
+
+    from featcal.data.encoders import TextEncoder
+    from featcal.data.splits import TaskSplit
+    from featcal.finetune import accuracy
+
+    text = TextEncoder(BertTokenizer(vocab={w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "a"])}))
+    digits = TaskSplit("parity", "test", list(load_digits()["image"][:4]), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"task 'parity' holds images, but the model reads texts"):
+        accuracy(torch.nn.Identity(), text, digits, 8)
+    words = TaskSplit("topic", "test", ["a", "a"], torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"task 'topic' holds texts, but the model reads images"):
+        accuracy(torch.nn.Identity(), ImageEncoder(None), words, 8)

@@ -70,6 +70,16 @@ class ImageEncoder:
 InputEncoder = TextEncoder | ImageEncoder
 
 
+def check_examples(encoder: InputEncoder, examples: Sequence, task: str) -> None:
+    """A task's examples are of the kind the model reads (images for a vision model, texts for a
+    text model); else an error naming the task, before any of them is encoded."""
+    images = bool(examples) and isinstance(examples[0], (bytes, bytearray))
+    if examples and images != (encoder.kind == "image"):
+        have, reads = ("images", "texts") if images else ("texts", "images")
+        raise ValueError(f"task {task!r} holds {have}, but the model reads {reads}: an image task needs a vision "
+                         "base model (ViT) and a text task a text one (model.base), in one project")
+
+
 def is_image_model(model_type: str | None) -> bool:
     return model_type in IMAGE_MODEL_TYPES
 

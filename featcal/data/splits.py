@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from featcal.data.encoders import InputEncoder
+from featcal.data.encoders import InputEncoder, check_examples
 
 SPLITS = ("train", "dev", "test")
 
@@ -90,6 +90,7 @@ def calibration_batches(spec: CalibrationSpec, encoder: InputEncoder) -> Batches
     out: Batches = {}
     for task in spec.tasks:
         sample = calibration_subset(read_split(spec.tasks_dir, task, spec.split), spec.examples_per_task, spec.seed)
+        check_examples(encoder, sample.examples, task)
         width = encoder.width(sample.examples, spec.length(task))
         out[task] = encode_batches(encoder, sample.examples, spec.length(task), spec.batch_size, pad_to=width)
     return out
