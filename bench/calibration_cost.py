@@ -62,7 +62,7 @@ def main() -> None:
                                {t: max_length(params, t) for t in tasks}, int(get(params, "seed")),
                                int(get(params, "calibration.batch_size")))
     merged = cmp.merge(bench, get(params, "merge.method"), get(params, "merge.options"))
-    batches = cmp.to_batches(bench, cmp.calibration_texts(bench, n))
+    batches = cmp.to_batches(bench, cmp.calibration_examples(bench, n))
     print(f"threads {torch.get_num_threads()}, {len(tasks)} tasks x {n} calibration examples, "
           f"merge {get(params, 'merge.method')}")
 

@@ -56,11 +56,11 @@ def main() -> None:
         sig = settings["sigmerge"]
         write_json(args.out, cmp.sigmerge_table(
             bench, {a: settings["anchors"][a] for a in sig["anchors"]}, sig["grid"], int(sig["shared_examples_per_task"]),
-            featcal_config, experts, cmp.to_batches(bench, cmp.calibration_texts(bench, n)), args.plots))
+            featcal_config, experts, cmp.to_batches(bench, cmp.calibration_examples(bench, n)), args.plots))
         return
 
     if what == "compare":
-        batches = cmp.to_batches(bench, cmp.calibration_texts(bench, n))
+        batches = cmp.to_batches(bench, cmp.calibration_examples(bench, n))
         out = {"experts": cmp.summarise(experts, experts_avg, experts_avg), "examples_per_task": n, "anchors": {}}
         for anchor, options in tqdm(settings["anchors"].items(), desc="anchors", unit="merge"):
             merged, row = cmp.merge_anchor(bench, anchor, options)
@@ -80,7 +80,7 @@ def main() -> None:
     if what == "sample-efficiency":
         out, curve = {**base, "sizes": {}}, []
         for size in tqdm(settings["sample_sizes"], desc="sizes", unit="size"):
-            texts = cmp.calibration_texts(bench, int(size))
+            texts = cmp.calibration_examples(bench, int(size))
             short = {t: len(x) for t, x in texts.items() if len(x) < int(size)}
             rows = rows_for(merged, cmp.to_batches(bench, texts), merged_avg)
             out["sizes"][str(size)] = {"fewer_examples": short, **rows}
@@ -94,9 +94,9 @@ def main() -> None:
 
     rate = float(settings["corruption_rate"])
     out = {**base, "rate": rate, "examples_per_task": n, "clean": {}, "corrupted": {}}
-    out["clean"] = rows_for(merged, cmp.to_batches(bench, cmp.calibration_texts(bench, n)), merged_avg)
+    out["clean"] = rows_for(merged, cmp.to_batches(bench, cmp.calibration_examples(bench, n)), merged_avg)
     for kind in tqdm(settings["corruptions"], desc="corruptions", unit="kind"):
-        out["corrupted"][kind] = rows_for(merged, cmp.to_batches(bench, cmp.calibration_texts(bench, n, (kind, rate))),
+        out["corrupted"][kind] = rows_for(merged, cmp.to_batches(bench, cmp.calibration_examples(bench, n, (kind, rate))),
                                           merged_avg)
     write_json(args.out, out)
     plot_corruption(out, args.plots)
