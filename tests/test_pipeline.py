@@ -66,6 +66,11 @@ def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(projec
     assert "up to date" in status.lower(), status
 
 
+def calibrated_prefixes(params: dict) -> tuple[str, ...]:
+    """The tiny BERT's parameters the chain writes: every block's, and the pooler's when calibrated."""
+    return ("encoder.layer.", "pooler.") if params["featcal"]["calibrate_pooler"] else ("encoder.layer.",)
+
+
 def test_the_dvc_chain_equals_one_in_process_calibration_bit_for_bit(project):
     project, _ = project
     params = yaml.safe_load((project / "params.yaml").read_text())
@@ -78,7 +83,7 @@ def test_the_dvc_chain_equals_one_in_process_calibration_bit_for_bit(project):
     chain = {}
     for path in sorted((project / "calib/layers").glob("L*.safetensors")):
         chain.update(load_file(path))
-    assert len(chain) == sum(1 for n in in_process if n.startswith("encoder.layer."))
+    assert len(chain) == sum(1 for n in in_process if n.startswith(calibrated_prefixes(params)))
     for name, value in chain.items():
         assert torch.equal(value, in_process[name]), name
 
@@ -301,7 +306,7 @@ def test_stages_under_torchrun_give_the_one_process_weights_in_float64(project, 
                            {t: load_classifier(str(work / "experts" / t)) for t in tasks}, batches,
                            FeatCalConfig.from_mapping(params["featcal"]), progress=False).backbone.state_dict()
     one = {name: in_process[name] for name in two}
-    assert len(two) == sum(1 for n in in_process if n.startswith("encoder.layer."))
+    assert len(two) == sum(1 for n in in_process if n.startswith(calibrated_prefixes(params)))
     assert all(v.dtype == torch.float64 for v in one.values()) and all(v.dtype == torch.float64 for v in two.values())
     for name in one:
         assert torch.allclose(two[name], one[name], rtol=1e-9, atol=1e-9), name

@@ -132,7 +132,8 @@ def test_second_run_adds_only_the_new_trials(project, monkeypatch):
     assert stages_run(first) == {"tune@dev"}, first
     before = trials_of(storage, "featcal-dev")
     assert [t.state for t in before] == [TrialState.COMPLETE] * 2
-    assert before[0].params == {"alpha": 0.25, "rho": 2.2, "ridge": 0.05}       # the defaults go first
+    defaults = yaml.safe_load((project / "params.yaml").read_text())["featcal"]
+    assert before[0].params == {k: defaults[k] for k in ("alpha", "rho", "ridge")}   # params.yaml's values go first
     assert all(t.user_attrs["wall_s"] > 0 and set(t.user_attrs["dev"]) == {"sentiment", "topic"} for t in before)
 
     edit_params(project, tune__n_trials=4)
