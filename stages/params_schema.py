@@ -324,7 +324,7 @@ class Cache:
 
 def task_specs(value, where: str) -> dict:
     """`tasks`: name -> featcal.data.tasks.TaskSpec (its own checks), at least one enabled."""
-    from featcal.data.tasks import TaskSpec
+    from featcal.data.spec import TaskSpec
 
     raw = mapping(value, where)
     specs = {}

@@ -247,10 +247,9 @@ def _uses_tiny_project(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests on the tiny project run last, so that the project builds while the others run; in
-    each group the slow ones (whole DVC runs) first, so that the two workers end together rather
-    than one waiting on a long test the other started last."""
-    items[:] = sorted(items, key=lambda item: (_uses_tiny_project(item), item.get_closest_marker("slow") is None))
+    """The tests on the tiny project run last (in their order), so that the project builds while the
+    others run."""
+    items[:] = sorted(items, key=_uses_tiny_project)
 
 
 @pytest.fixture(autouse=True, scope="session")

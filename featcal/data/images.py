@@ -11,10 +11,12 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
@@ -62,7 +64,7 @@ def read_image_folder(folder: Path, task: str) -> pd.DataFrame:
     """``<folder>/<class>/<image>`` (or ``<folder>/<split>/<class>/<image>`` with split
     train/dev/validation/test): columns ``image`` (PNG bytes), ``label`` (the class folder's name)
     and, for the second layout, ``split``."""
-    from featcal.data.tasks import _SPLIT_ALIASES
+    from featcal.data.spec import _SPLIT_ALIASES
 
     subdirs = sorted(p for p in folder.iterdir() if p.is_dir())
     if not subdirs:
@@ -79,6 +81,8 @@ def read_image_folder(folder: Path, task: str) -> pd.DataFrame:
                     rows.append(row)
     if not rows:
         raise ValueError(f"task {task!r}: no images ({', '.join(IMAGE_SUFFIXES)}) under {folder}")
+    import pandas as pd
+
     frame = pd.DataFrame(rows)
     frame.attrs["source_file"] = str(folder)
     frame.attrs["image_field"] = "image"
