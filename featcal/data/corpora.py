@@ -289,10 +289,10 @@ def load_digits() -> pd.DataFrame:
     importing scikit-learn). Columns ``image`` (PNG bytes) and three label columns for tasks
     that conflict on the same images: ``digit`` (0-9), ``parity`` (even/odd) and ``magnitude``
     (low 0-4 / high 5-9); choose one with the task's ``label_field``."""
-    import pandas as pd
     import gzip
 
     import numpy as np
+    import pandas as pd
 
     from featcal.data.images import to_png
 

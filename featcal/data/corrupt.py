@@ -14,6 +14,8 @@ from typing import Callable
 
 import numpy as np
 
+from featcal.data.images import holds_images, pixels, to_png
+
 LETTERS = string.ascii_lowercase
 
 
@@ -103,7 +105,7 @@ def corrupt_examples(examples: list, kind: str, rate: float, seed: int) -> list:
         raise ValueError(f"unknown corruption {kind!r}; expected one of {sorted(CORRUPTIONS)}")
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"corruption rate must be in [0, 1], got {rate}")
-    images = bool(examples) and isinstance(examples[0], (bytes, bytearray))
+    images = holds_images(examples)
     kinds = IMAGE_CORRUPTIONS if images else TEXT_CORRUPTIONS
     if kind not in kinds:
         raise ValueError(f"corruption {kind!r} does not apply to {'image' if images else 'text'} examples; "
@@ -111,8 +113,6 @@ def corrupt_examples(examples: list, kind: str, rate: float, seed: int) -> list:
     rng = random.Random(f"{kind}:{rate}:{seed}")
     if not images:
         return [TEXT_CORRUPTIONS[kind](t, rate, rng) for t in examples]
-    from featcal.data.images import pixels, to_png
-
     generator = np.random.default_rng(rng.getrandbits(64))
     return [to_png(IMAGE_CORRUPTIONS[kind](pixels(png), rate, generator), f"example {i}")
             for i, png in enumerate(examples)]

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from torch import Tensor
+
+from featcal.data.images import decode, holds_images
 
 IMAGE_MODEL_TYPES = ("vit", "clip_vision_model", "clip")
 
@@ -38,6 +40,10 @@ class TextEncoder:
         """What the model sees of each example (its token ids), to find examples it cannot tell apart."""
         return [tuple(ids) for ids in self.tokenizer(list(examples), truncation=True, max_length=max_length)["input_ids"]]
 
+    def input_identities(self, inputs: Mapping[str, Tensor]) -> list[tuple]:
+        """`identities` of encoded rows (padded batches: the real tokens' ids)."""
+        return [tuple(ids[m.bool()].tolist()) for ids, m in zip(inputs["input_ids"], inputs["attention_mask"])]
+
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         self.tokenizer.save_pretrained(folder)
 
@@ -52,16 +58,17 @@ class ImageEncoder:
         self.processor = processor
 
     def encode(self, examples: Sequence[bytes], max_length: int | None = None, pad_to: int | None = None) -> dict[str, Tensor]:
-        from featcal.data.images import decode
-
         return {"pixel_values": self.processor([decode(x) for x in examples], return_tensors="pt")["pixel_values"]}
 
     def width(self, examples: Sequence[bytes], max_length: int | None = None) -> int:
         return 0
 
     def identities(self, examples: Sequence[bytes], max_length: int | None = None) -> list[tuple]:
-        pixels = self.encode(examples)["pixel_values"]
-        return [tuple(row.flatten().tolist()) for row in pixels]
+        return self.input_identities(self.encode(examples))
+
+    def input_identities(self, inputs: Mapping[str, Tensor]) -> list[tuple]:
+        """What the model sees of each encoded image: its pixel values."""
+        return [tuple(row.flatten().tolist()) for row in inputs["pixel_values"]]
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         self.processor.save_pretrained(folder)
@@ -73,7 +80,7 @@ InputEncoder = TextEncoder | ImageEncoder
 def check_examples(encoder: InputEncoder, examples: Sequence, task: str) -> None:
     """A task's examples are of the kind the model reads (images for a vision model, texts for a
     text model); else an error naming the task, before any of them is encoded."""
-    images = bool(examples) and isinstance(examples[0], (bytes, bytearray))
+    images = holds_images(examples)
     if examples and images != (encoder.kind == "image"):
         have, reads = ("images", "texts") if images else ("texts", "images")
         raise ValueError(f"task {task!r} holds {have}, but the model reads {reads}: an image task needs a vision "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 
@@ -44,6 +44,16 @@ def to_png(value: Any, where: str) -> bytes:
     out = io.BytesIO()
     image.save(out, format="PNG")
     return out.getvalue()
+
+
+def holds_images(examples: Sequence) -> bool:
+    """Whether a task's examples are images (PNG bytes) rather than texts."""
+    return bool(examples) and isinstance(examples[0], (bytes, bytearray))
+
+
+def example_column(columns: Iterable[str]) -> str:
+    """The column of a task's frame or split file that holds its examples: ``image`` or ``text``."""
+    return "image" if "image" in columns else "text"
 
 
 def pixels(png: bytes) -> np.ndarray:

@@ -6,12 +6,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
 from featcal.data.encoders import InputEncoder, check_examples
+from featcal.data.images import example_column
 
 SPLITS = ("train", "dev", "test")
 
@@ -34,7 +36,7 @@ def read_split(tasks_dir: str | os.PathLike, task: str, split: str) -> TaskSplit
     if not path.exists():
         raise FileNotFoundError(f"task {task!r}: {path} does not exist (run the prepare stage)")
     table = pq.read_table(path)
-    content = "image" if "image" in table.column_names else "text"
+    content = example_column(table.column_names)
     for column in (content, "label"):
         if column not in table.column_names:
             raise ValueError(f"{path}: missing column {column!r} (columns: {table.column_names})")
@@ -105,14 +107,20 @@ def batches_to_arrays(batches: Batches) -> dict[str, Tensor]:
     return out
 
 
-def batches_from_arrays(arrays: dict[str, Tensor], batch_size: int) -> Batches:
-    """The inverse of `batches_to_arrays`, cut into batches of `batch_size` examples."""
+def arrays_by_task(arrays: Mapping[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """`<input name>/<task>` arrays grouped as {task: {input name: array}}."""
     per_task: dict[str, dict[str, Tensor]] = {}
     for name, value in arrays.items():
         key, _, task = name.partition("/")
-        per_task.setdefault(task, {})[key] = value if value.is_floating_point() else value.long()
+        per_task.setdefault(task, {})[key] = value
+    return per_task
+
+
+def batches_from_arrays(arrays: dict[str, Tensor], batch_size: int) -> Batches:
+    """The inverse of `batches_to_arrays`, cut into batches of `batch_size` examples."""
     out: Batches = {}
-    for task, inputs in per_task.items():
+    for task, inputs in arrays_by_task(arrays).items():
+        inputs = {k: v if v.is_floating_point() else v.long() for k, v in inputs.items()}
         n = next(iter(inputs.values())).shape[0]
         out[task] = [{k: v[i:i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
     return out

@@ -33,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from featcal.data.corpora import BUILTIN_LOADERS
+from featcal.data.images import example_column
 from featcal.data.spec import SPLITS, TaskSpec, _SPLIT_ALIASES, _label_key
 from featcal.io.models import remove_stale_temps, temp_prefix
 
@@ -221,15 +222,10 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
     return out
 
 
-def example_column(frame: pd.DataFrame) -> str:
-    """Where a task frame keeps its examples: ``image`` (PNG bytes) or ``text``."""
-    return "image" if "image" in frame.columns else "text"
-
-
 def _dedupe(frame: pd.DataFrame, task: str) -> pd.DataFrame:
     """Keep one row per exact text (image); drop texts seen with conflicting labels. Where a text
     occurs in several source splits, the copy in test (then dev) wins so the source's test set is kept."""
-    column = example_column(frame)
+    column = example_column(frame.columns)
     n_labels = frame.groupby(column)["label"].nunique()
     conflicting = set(n_labels.index[n_labels > 1])
     in_conflict = frame[column].isin(conflicting)
@@ -305,7 +301,7 @@ def split_task(frame: pd.DataFrame, spec: TaskSpec, seed: int = 0) -> dict[str, 
     order. Each split has columns ``text`` (str) and ``label`` (int64).
     """
     rng = _task_rng(seed, spec.name)
-    column = example_column(frame)
+    column = example_column(frame.columns)
     if column == "text":
         frame = frame[frame["text"].astype(str).str.strip().str.len() > 0]
     frame = _dedupe(frame, spec.name)
@@ -359,7 +355,7 @@ def _draw(
             [by_class[c][used[c] : used[c] + quota[c]] for c in range(n_classes)] + [np.array([], dtype=np.int64)]
         )
         used += quota
-        column = example_column(pool)
+        column = example_column(pool.columns)
         part = pool.loc[rng.permutation(chosen), [column, "label"]]
         examples = part[column] if column == "image" else part[column].astype(str)
         out[split] = pd.DataFrame({column: examples.to_numpy(dtype=object), "label": part["label"].to_numpy(np.int64)})
@@ -389,7 +385,7 @@ def write_task(
         if split not in splits:
             raise ValueError(f"{out_dir}: split {split!r} missing (got {sorted(splits)})")
         frame = splits[split]
-        for column in (example_column(frame), "label"):
+        for column in (example_column(frame.columns), "label"):
             if column not in frame.columns:
                 raise ValueError(f"{out_dir}: split {split!r} has no column {column!r}")
         bad = frame["label"][(frame["label"] < 0) | (frame["label"] >= len(labels))]
@@ -404,11 +400,11 @@ def write_task(
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; give it a normal folder's mode
         for split in SPLITS:
             frame = splits[split]
-            if example_column(frame) == "image":
+            if example_column(frame.columns) == "image":
                 examples = pa.array(frame["image"].tolist(), type=pa.binary())
             else:
                 examples = pa.array(frame["text"].astype(str).tolist(), type=pa.string())
-            table = pa.table({example_column(frame): examples,
+            table = pa.table({example_column(frame.columns): examples,
                               "label": pa.array(frame["label"].to_numpy(np.int64), type=pa.int64())})
             pq.write_table(table, tmp / f"{split}.parquet")
         record = {"classes": labels, "raw_labels": dict(raw_labels or {}), "dropped": dict(dropped or {})}

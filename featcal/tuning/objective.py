@@ -27,7 +27,7 @@ from optuna.trial import Trial
 from torch import Tensor, nn
 
 from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
-from featcal.data.splits import TaskSplit, batches_from_arrays, read_split
+from featcal.data.splits import TaskSplit, arrays_by_task, batches_from_arrays, read_split
 from featcal.evaluation.scoring import score_backbone
 from featcal.families import Family, family_for
 from featcal.data.encoders import InputEncoder, load_encoder
@@ -105,10 +105,7 @@ def drop_calibration_overlap(split: TaskSplit, encoder: InputEncoder, max_length
                              inputs: Mapping[str, Tensor]) -> tuple[TaskSplit, int]:
     """Remove examples the model sees exactly as one of the calibration rows (token ids of the real
     tokens; pixels), so a dev score never rewards fitting an example that calibration saw."""
-    if "input_ids" in inputs:
-        seen = {tuple(ids[m.bool()].tolist()) for ids, m in zip(inputs["input_ids"], inputs["attention_mask"])}
-    else:
-        seen = {tuple(row.flatten().tolist()) for row in inputs["pixel_values"]}
+    seen = set(encoder.input_identities(inputs))
     encoded = encoder.identities(split.examples, max_length)
     keep = [i for i, ids in enumerate(encoded) if ids not in seen]
     kept = TaskSplit(split.task, split.split, [split.examples[i] for i in keep], split.labels[keep])
@@ -196,9 +193,8 @@ class TuneProblem:
                 tensor(value)
         for task, d in sorted(self.dev.items()):
             h.update(f"{task}/{d.max_length}/{len(d.split.examples)}".encode())
-            for example in d.split.examples:
-                h.update(example if isinstance(example, bytes) else example.encode())
-                h.update(b"\0")
+            # texts hash exactly as before images existed: an existing study keeps its fingerprint
+            h.update(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in d.split.examples))
             tensor(d.split.labels)
         fixed = {k: v for k, v in dataclasses.asdict(config).items() if k not in space.ranges}
         h.update(repr(sorted(fixed.items())).encode())
@@ -223,8 +219,7 @@ def load_problem(
     dev = {}
     for task in tasks:
         split, dropped = drop_calibration_overlap(read_split(tasks_dir, task, "dev"), encoder, max_length[task],
-                                                  {k.partition("/")[0]: v for k, v in inputs.items()
-                                                   if k.partition("/")[2] == task})
+                                                  arrays_by_task(inputs)[task])
         if not split.examples:
             raise ValueError(f"task {task!r}: every dev example is also in the calibration sample")
         if dropped:
