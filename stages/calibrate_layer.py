@@ -19,6 +19,7 @@ from featcal.calibration import distributed
 from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
 from featcal.data.splits import batches_from_arrays
 from featcal.calibration.layerwise import calibrate_cached_layer
+from featcal.calibration.walk import states_of
 from featcal.io.models import atomic_file, check_finite
 from featcal.calibration.moments import pack_moments
 from featcal.calibration.solve import ILL_CONDITIONED
@@ -57,7 +58,7 @@ def main() -> None:
         batches = distributed.shard_batches({t: batches[t] for t in tasks})
 
         def states(path: str) -> dict:
-            return distributed.shard_examples({t: v for t, v in read_group(path).items() if t in tasks}, batch_size)
+            return distributed.shard_examples(states_of(read_group(path), tasks), batch_size)
 
         student = None if k == 0 else states(args.student_in)
         out = calibrate_cached_layer(

@@ -45,10 +45,10 @@ def main() -> None:
         if main_process:
             write_group(f"{out_dir}/inputs.zarr", batches_to_arrays(batches), {"tasks": tasks})
         layers = collect_expert_layers({t: f"{args.experts}/{t}" for t in tasks}, distributed.shard_batches(batches))
-        for k, hidden in enumerate(tqdm(layers, desc="expert features", unit="layer", disable=not main_process)):
-            hidden = distributed.gather_examples(hidden, spec.batch_size)
+        for k, states in enumerate(tqdm(layers, desc="expert features", unit="layer", disable=not main_process)):
+            states = distributed.gather_examples(states, spec.batch_size)
             if main_process:
-                write_group(f"{out_dir}/layer_{k:02d}.zarr", hidden, {"layer": k, "tasks": tasks}, fmt=fmt)
+                write_group(f"{out_dir}/layer_{k:02d}.zarr", states, {"layer": k, "tasks": tasks}, fmt=fmt)
     distributed.shutdown()
     if main_process:
         print(f"{out_dir}: {k + 1} layers x {len(tasks)} tasks")

@@ -26,7 +26,7 @@ def main() -> None:
     config = AutoConfig.from_pretrained(resolve_model_ref(get(params, "model.base")))
     if config.model_type not in FAMILIES:
         raise SystemExit(f"model.base: model type {config.model_type!r} is not supported ({sorted(FAMILIES)})")
-    depth = config.num_hidden_layers
+    depth = FAMILIES[config.model_type].depth(config)
     layers = {}
     for k in range(depth):
         layers[f"L{k:02d}"] = {

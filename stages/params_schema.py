@@ -495,11 +495,6 @@ def base_model_info(params: Params) -> BaseModelInfo:
     if config.model_type not in FAMILIES:
         raise ParamsError(f"model.base = {params.model.base!r}: model type {config.model_type!r} is not supported; "
                           f"supported model types: {', '.join(sorted(FAMILIES))}")
-    if not FAMILIES[config.model_type].uniform_block_inputs:
-        raise ParamsError(f"model.base = {params.model.base!r}: model type {config.model_type!r} calibrates in one "
-                          "process only (featcal.calibrate, docs/api.md), not in this pipeline: its stages cache each "
-                          "block's input states, and these blocks also take inputs made by other blocks (position "
-                          "biases, the encoder's output)")
     from featcal.io.models import task_model_class
 
     task_class = task_model_class(config)
@@ -509,7 +504,7 @@ def base_model_info(params: Params) -> BaseModelInfo:
                           "task (a CLIP vision tower's zero-shot heads are built in the library: "
                           "featcal.families.clip_zero_shot, docs/api.md)")
     positions = getattr(config, "max_position_embeddings", None)
-    return BaseModelInfo(config.model_type, int(config.num_hidden_layers), positions)
+    return BaseModelInfo(config.model_type, FAMILIES[config.model_type].depth(config), positions)
 
 
 def check_lengths(params: Params, base: BaseModelInfo) -> None:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification, T5Config, T5ForSequenceClassification  # noqa: E402
 
 from tiny_project import copy_pipeline, init_repo, make_base, make_tasks, project_env, tiny_params  # noqa: E402
 
@@ -65,17 +65,40 @@ def tiny_bert(seed: int = 0, layers: int = 2, *, vocab: int = 60, hidden: int = 
     return model if dtype is None else model.to(dtype)
 
 
+def tiny_t5(seed: int = 0, encoder_layers: int = 2, decoder_layers: int = 2, *, vocab: int = 60,
+            num_labels: int = 2) -> T5ForSequenceClassification:
+    """A seeded random T5 sequence classifier (pad 0, EOS 1, the decoder starting from 0), in eval mode."""
+    torch.manual_seed(seed)
+    cfg = T5Config(vocab_size=vocab, d_model=16, d_kv=4, d_ff=32, num_layers=encoder_layers,
+                   num_decoder_layers=decoder_layers, num_heads=4, relative_attention_num_buckets=8,
+                   relative_attention_max_distance=16, num_labels=num_labels, decoder_start_token_id=0,
+                   pad_token_id=0, eos_token_id=1)
+    return T5ForSequenceClassification(cfg).eval()
+
+
+def with_eos(batches: dict, eos: int = 1) -> dict:
+    """`batches_for`'s batches with `eos` as each row's last real token, and nowhere else."""
+    out = {}
+    for task, task_batches in batches.items():
+        out[task] = []
+        for b in task_batches:
+            ids = b["input_ids"].masked_fill(b["input_ids"] == eos, eos + 1)
+            ids[torch.arange(ids.shape[0]), b["attention_mask"].sum(1) - 1] = eos
+            out[task].append({**b, "input_ids": ids})
+    return out
+
+
 def perturbed(model, seed: int, scale: float = 0.1, *, num_labels: int | None = None, encoder_only: bool = False):
     """An 'expert': a copy of `model` with seeded Gaussian noise (× `scale`) on every backbone
     parameter (embeddings and pooler too; only the encoder's with `encoder_only`), optionally a new
-    head with `num_labels` classes."""
+    head with `num_labels` classes (BERT)."""
     out = copy.deepcopy(model)
     if num_labels is not None:
         out.config.num_labels = num_labels
         out.classifier = torch.nn.Linear(out.config.hidden_size, num_labels)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in (out.bert.encoder if encoder_only else out.bert).parameters():
+        for p in (out.base_model.encoder if encoder_only else out.base_model).parameters():
             p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
     return out.eval()
 

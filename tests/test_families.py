@@ -239,7 +239,7 @@ BLOCKS: dict[str, Callable[[nn.Module], list[nn.Module]]] = {
     "vit": lambda m: list(m.vit.layers if hasattr(m.vit, "layers") else m.vit.encoder.layer),
     "clip": lambda m: list(m.vision_model.encoder.layers),
     "llama": lambda m: list(m.model.layers),
-    "t5": lambda m: [*m.transformer.encoder.block, *m.transformer.decoder.block],
+    "t5": lambda m: [*m.get_encoder().block, *m.get_decoder().block],
 }
 
 
@@ -328,6 +328,7 @@ def test_blocks_run_one_at_a_time_reproduce_the_full_forward(case: Case) -> None
     family = family_for(model)
     assert family.name == case.name
     backbone = family.backbone(model)
+    assert family.depth(model.config) == len(family.blocks(backbone)) == len(BLOCKS[case.name](model))
     batch = case.batch(11, 0)
     stream = replay(family, backbone, batch)
     expected = last_block_output(family, model, batch)

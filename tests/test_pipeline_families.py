@@ -1,6 +1,6 @@
-"""The pipeline beyond BERT: real `dvc repro` on tiny projects whose base and experts are Llama
-text classifiers or ViT image classifiers (digit images), and the families whose blocks the
-pipeline cannot cache refused before anything runs."""
+"""The pipeline beyond BERT: real `dvc repro` on tiny projects whose base and experts are Llama or
+T5 text classifiers or ViT image classifiers (digit images), and a CLIP vision tower base, which
+has no task model to fine-tune, refused before anything runs."""
 
 import json
 import sys
@@ -8,15 +8,15 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import (CLIPVisionConfig, CLIPVisionModelWithProjection, LlamaForSequenceClassification, T5Config,
-                          T5Model, ViTForImageClassification)
+from transformers import (CLIPVisionConfig, CLIPVisionModelWithProjection, LlamaForSequenceClassification,
+                          T5ForSequenceClassification, ViTForImageClassification)
 
 from conftest import DOWNSTREAM, DVC, UPSTREAM, stages_run
 from featcal.data.encoders import load_encoder
 from featcal.io.models import load_task_model
 from featcal.data.splits import encode_batches, read_split
-from tiny_project import (ROOT, WORDS, image_tasks, make_llama_base, make_project, make_tasks, make_vit_base, make_vocab,
-                          run, tiny_params)
+from tiny_project import (ROOT, image_tasks, make_llama_base, make_project, make_t5_base, make_tasks, make_vit_base, run,
+                          tiny_params)
 
 sys.path.insert(0, str(ROOT / "stages"))
 import common  # noqa: E402
@@ -69,16 +69,10 @@ def test_a_vit_project_on_image_tasks_runs_end_to_end_and_an_alpha_change_reruns
     check_family_project(tmp_path, image_tasks(), ViTForImageClassification)
 
 
-def test_a_t5_base_is_refused_before_any_stage_runs_naming_the_key_and_the_way_that_works(tmp_path):
-    vocab = make_vocab(WORDS)
-    T5Model(T5Config(vocab_size=len(vocab), d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8,
-                     decoder_start_token_id=0)).save_pretrained(tmp_path / "t5")
-    params = tiny_params(tmp_path / "t5", make_tasks(tmp_path / "raw"))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    with pytest.raises(SystemExit) as err:
-        common.load_params(tmp_path / "params.yaml", check_chain=False)
-    message = str(err.value.code)
-    assert "model.base" in message and "'t5'" in message and "featcal.calibrate" in message, message
+def test_a_t5_project_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):
+    """An encoder block and a decoder block: the stored decoder states carry the encoder output."""
+    make_t5_base(tmp_path / "base")
+    check_family_project(tmp_path, make_tasks(tmp_path / "raw"), T5ForSequenceClassification)
 
 
 def test_a_clip_vision_tower_base_is_refused_naming_the_key_and_where_zero_shot_heads_are_built(tmp_path):

@@ -15,7 +15,7 @@ from featcal.calibration.lazy import calibrate_lazy
 from featcal.io.feature_store import StoreFormat, read_group, write_group
 from featcal.tuning import TuneProblem
 from featcal.calibration.walk import ModuleWeights, walk_all
-from conftest import batches_for, perturbed, save_models, tiny_bert
+from conftest import batches_for, perturbed, save_models, tiny_bert, tiny_t5, with_eos
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +28,27 @@ def saved(tmp_path_factory):
     return dict(root=root, base=base, experts=experts, merged=merged, batches=batches_for(experts, n_batches=2))
 
 
+@pytest.fixture(scope="module")
+def saved_t5(tmp_path_factory):
+    """Two encoder and two decoder blocks, every parameter perturbed (the experts' own position tables
+    and embeddings too): what a stored decoder state needs besides its hidden states is exercised."""
+    root = tmp_path_factory.mktemp("walk_t5")
+    base = tiny_t5()
+    experts = {t: perturbed(base, i + 2, scale=0.1) for i, t in enumerate("ab")}
+    merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
+    save_models(root, {"base": base, "merged": merged, **experts})
+    return dict(root=root, base=base, experts=experts, merged=merged,
+                batches=with_eos(batches_for(experts, n_batches=2)))
+
+
 def chain(saved, config, fmt=StoreFormat("float32")):
     """What the calibrate-layer chain does: each block a separate step, states through zarr stores."""
     root, batches = saved["root"], saved["batches"]
     dirs = {t: root / t for t in saved["experts"]}
-    for k, hidden in enumerate(collect_expert_layers(dirs, batches)):
-        write_group(root / f"features/layer_{k:02d}.zarr", hidden, fmt=fmt)
+    for k, states in enumerate(collect_expert_layers(dirs, batches)):
+        write_group(root / f"features/layer_{k:02d}.zarr", states, fmt=fmt)
     state, student = {}, None
-    for k in range(3):
+    for k in range(len(family_for(saved["merged"]).blocks(saved["merged"]))):
         out = calibrate_cached_layer(k, root / "merged", root / "base", dirs, batches, student,
                                      lambda layer: read_group(root / f"features/layer_{layer:02d}.zarr"), config)
         state.update(out.parameters)
@@ -44,7 +57,9 @@ def chain(saved, config, fmt=StoreFormat("float32")):
     return state
 
 
-def test_every_entry_point_gives_bit_identical_weights(saved):
+@pytest.mark.parametrize("case", ["saved", "saved_t5"])
+def test_every_entry_point_gives_bit_identical_weights(request, case):
+    saved = request.getfixturevalue(case)
     config = FeatCalConfig(calibrate_pooler=True)
     root, batches = saved["root"], saved["batches"]
     in_process = calibrate(saved["merged"], saved["base"], saved["experts"], batches, config, progress=False)
@@ -57,7 +72,7 @@ def test_every_entry_point_gives_bit_identical_weights(saved):
     tuned = problem.calibrate(config).state_dict()
     per_layer = chain(saved, config)
 
-    calibrated = [n for n in reference if n.startswith(("encoder.layer.", "pooler."))]
+    calibrated = [n for n in reference if n.startswith(("encoder.layer.", "pooler.", "encoder.block.", "decoder.block."))]
     assert len(per_layer) == len(calibrated)
     for name in reference:
         assert torch.equal(lazy[name], reference[name]), f"lazy: {name}"
@@ -66,8 +81,12 @@ def test_every_entry_point_gives_bit_identical_weights(saved):
         assert torch.equal(per_layer[name], reference[name]), f"per-layer chain: {name}"
     # the walk really moved the weights (an identity would pass the comparisons above)
     merged_state = saved["merged"].state_dict()
-    assert not torch.equal(reference["encoder.layer.1.output.dense.weight"], merged_state["encoder.layer.1.output.dense.weight"])
-    assert not torch.equal(reference["pooler.dense.weight"], merged_state["pooler.dense.weight"])
+    moved = ["pooler.dense.weight", "encoder.layer.1.output.dense.weight"] if case == "saved" else [
+        "encoder.block.1.layer.1.DenseReluDense.wo.weight", "decoder.block.1.layer.1.EncDecAttention.v.weight"]
+    for name in moved:
+        assert not torch.equal(reference[name], merged_state[name]), name
+    if case == "saved_t5":   # the decoder's stored states carry the encoder output they cross-attend to
+        assert ".encoder_output/a" in expert_layers[2] and ".encoder_output/a" not in expert_layers[1]
 
 
 def test_bfloat16_cached_states_change_the_weights_only_slightly(saved):

@@ -18,8 +18,8 @@ from typing import Mapping, Sequence
 
 import torch
 import yaml
-from transformers import (BertConfig, BertModel, BertTokenizer, LlamaConfig, LlamaModel, ViTConfig, ViTImageProcessorPil,
-                          ViTModel)
+from transformers import (BertConfig, BertModel, BertTokenizer, LlamaConfig, LlamaModel, T5Config, T5Model, ViTConfig,
+                          ViTImageProcessorPil, ViTModel)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["good", "bad", "great", "awful", "movie", "film", "sport", "team", "vote", "party", "the", "a", "and", "news"]
@@ -61,6 +61,22 @@ def make_llama_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=64, pad_token_id=vocab.index("[PAD]"))
     LlamaModel(config).save_pretrained(path)
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
+
+
+def make_t5_base(path: Path, encoder_layers: int = 1, decoder_layers: int = 1, *, d_model: int = 32, heads: int = 4,
+                 d_ff: int = 64, seed: int = 0) -> None:
+    """make_base's counterpart for T5: a seeded random bare T5 encoder-decoder with the same word-level
+    tokenizer; its [SEP] (one per example) is the EOS whose decoder state the classifier reads, [PAD]
+    the pad and decoder start token."""
+    vocab = make_vocab(WORDS)
+    torch.manual_seed(seed)
+    pad = vocab.index("[PAD]")
+    config = T5Config(vocab_size=len(vocab), d_model=d_model, d_kv=d_model // heads, d_ff=d_ff, num_heads=heads,
+                      num_layers=encoder_layers, num_decoder_layers=decoder_layers, relative_attention_num_buckets=8,
+                      relative_attention_max_distance=16, pad_token_id=pad, decoder_start_token_id=pad,
+                      eos_token_id=vocab.index("[SEP]"))
+    T5Model(config).save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
 
 

@@ -24,7 +24,7 @@ from featcal.io.checkpoints import (
 )
 from featcal.calibration.lazy import LazyWeights
 from featcal.calibration.moments import Moments
-from featcal.calibration.walk import Batches, CachedExpertStates, expert_layer_states, require_uniform, split_like, stack_hidden, walk
+from featcal.calibration.walk import Batches, CachedExpertStates, expert_layer_states, split_like, stack_states, walk
 
 PathLike = str | os.PathLike
 
@@ -51,13 +51,13 @@ class LayerOutput:
 
 
 class LazyStudent:
-    """The merged backbone with only block `index` and the parameters outside the blocks
-    (embeddings, final norm, pooler: what entering a stream and the pooler step need) in memory."""
+    """The merged backbone with only block `index`, the tensors every block needs
+    (`Family.shared_block_prefixes`) and the parameters outside the blocks (embeddings, final
+    norm, pooler: what entering a stream and the pooler step need) in memory."""
 
     def __init__(self, merged_dir: PathLike, index: int):
         like = empty_backbone(merged_dir)
         self.family = family_for(like)
-        require_uniform(self.family)
         self.lazy = LazyBackbone(like, CheckpointReader(merged_dir))
         self.module = self.lazy.module
         self.index = index
@@ -65,7 +65,8 @@ class LazyStudent:
         if not 0 <= index < self.n_blocks:
             raise ValueError(f"{merged_dir}: no block {index}; the model has blocks 0..{self.n_blocks - 1}")
         self.block_prefix = block_prefixes(self.family, self.module)[index]
-        self.lazy.load(self.lazy.names_under([self.block_prefix] + outer_prefixes(self.family, self.module)))
+        self.lazy.load(self.lazy.names_under([self.block_prefix, *self.family.shared_block_prefixes(self.module),
+                                              *outer_prefixes(self.family, self.module)]))
 
     def parameters(self, with_pooler: bool) -> dict[str, Tensor]:
         prefixes = [self.block_prefix]
@@ -94,14 +95,15 @@ def calibrate_cached_layer(
     family = student.family
     weights = LazyWeights(family, student.module, base, {t: expert_dirs[t] for t in batches})
     entry = enter_streams(family, student.module, batches)
-    student_in = entry if student_states is None else split_like(student_states, entry)
+    student_in = entry if student_states is None else split_like(
+        family, index, student_states, entry, {t: student.module for t in entry})
     moments: dict[str, dict[str, Moments]] = {}
-    result = walk(family, student.module, weights, student_in, CachedExpertStates(expert_states), config,
+    result = walk(family, student.module, weights, student_in, CachedExpertStates(family, expert_states), config,
                   start=index, stop=index + 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
                   on_block=lambda _k, block: moments.update(block.moments), progress=False)
     last = index == student.n_blocks - 1
     return LayerOutput(student.parameters(with_pooler=last and config.calibrate_pooler), moments,
-                       stack_hidden(result.student), result.drift[0], result.reports)
+                       stack_states(family, result.student), result.drift[0], result.reports)
 
 
 __all__ = ["LayerOutput", "LazyStudent", "calibrate_cached_layer", "collect_expert_layers"]

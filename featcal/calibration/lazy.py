@@ -38,6 +38,7 @@ class LazyWeights:
         self.experts = {t: LazyBackbone(like, CheckpointReader(path)) for t, path in experts.items()}
         self.outer = outer_prefixes(family, like)
         self.blocks = block_prefixes(family, like)
+        self.shared = family.shared_block_prefixes(like)
 
     @contextlib.contextmanager
     def _loaded(self, base_prefixes: list[str], expert_prefixes: list[str]):
@@ -59,8 +60,11 @@ class LazyWeights:
                 backbone.move_to(torch.device("cpu"))
 
     def block(self, index: int):
+        """Block `index` of the base; of each expert also the tensors every block needs and, when the
+        block leaves its stage (T5's last encoder block), the parameters outside the blocks."""
         leaves = leaves_stage(self.family, self.like, index)
-        return self._loaded([self.blocks[index]], [self.blocks[index]] + (self.outer if leaves else []))
+        expert = [self.blocks[index], *self.shared] + (self.outer if leaves else [])
+        return self._loaded([self.blocks[index]], expert)
 
     def pooler(self):
         where = [module_prefix(self.like, self.family.pooler(self.like))]

@@ -108,9 +108,9 @@ def moved(module: nn.Module, device: torch.device) -> Iterator[nn.Module]:
 
 
 class ExpertStates(Protocol):
-    def at(self, index: int, like: Streams) -> Streams:
-        """The experts' streams entering block `index` (`like`: the student's streams there,
-        whose masks and extra block inputs a cached state is put into)."""
+    def at(self, index: int, like: Streams, backbones: Mapping[str, nn.Module]) -> Streams:
+        """The experts' streams entering block `index` (`like`: the student's streams there, whose
+        masks a cached state is put into; `backbones`: the experts', holding block `index`)."""
 
     def advance(self, expert_next: Streams) -> None:
         """Block outputs the walk computed for the experts (the streams entering the next block)."""
@@ -122,50 +122,74 @@ class CarriedExpertStates:
     def __init__(self, streams: Streams):
         self.streams = streams
 
-    def at(self, index: int, like: Streams) -> Streams:
+    def at(self, index: int, like: Streams, backbones: Mapping[str, nn.Module]) -> Streams:
         return self.streams
 
     def advance(self, expert_next: Streams) -> None:
         self.streams = expert_next
 
 
-def split_like(hidden: Mapping[str, Tensor], like: Streams) -> Streams:
-    """Per task, cut stacked states [N, T, d] into `like`'s batches, each keeping that batch's mask
-    and extra block inputs (every block of a uniform family receives the same ones)."""
-    out: Streams = {}
-    for task, streams in like.items():
-        if task not in hidden:
-            raise KeyError(f"no cached hidden states for task {task!r} (cached: {sorted(hidden)})")
-        states, start, out[task] = hidden[task], 0, []
-        for stream in streams:
-            n = stream.hidden.shape[0]
-            part = states[start:start + n]
-            if part.shape != stream.hidden.shape:
-                raise ValueError(
-                    f"task {task!r}: cached states {tuple(states.shape)} do not match the calibration batches "
-                    f"(batch at example {start} has shape {tuple(stream.hidden.shape)})"
-                )
-            out[task].append(stream.with_hidden(part.to(device=stream.hidden.device, dtype=stream.hidden.dtype)))
-            start += n
-        if start != states.shape[0]:
-            raise ValueError(f"task {task!r}: {states.shape[0]} cached examples, the batches hold {start}")
+CARRIED = "."   # stored carried tensors are named ".<name>/<task>" (a task name never starts with ".")
+
+
+def stack_states(family: Family, streams: Mapping[str, Sequence[Stream]]) -> dict[str, Tensor]:
+    """What a cache stores of streams: per task, the batches' hidden states concatenated along
+    examples ([N, T, d], under the task's name) and the family's carried tensors (".<name>/<task>")."""
+    out: dict[str, Tensor] = {}
+    for task, ss in streams.items():
+        if not ss:
+            continue
+        out[task] = torch.cat([s.hidden for s in ss]).cpu()
+        for name in family.carried(ss[0]):
+            out[f"{CARRIED}{name}/{task}"] = torch.cat([family.carried(s)[name] for s in ss]).cpu()
     return out
 
 
-def stack_hidden(streams: Mapping[str, Sequence[Stream]]) -> dict[str, Tensor]:
-    """Per task, the batches' hidden states concatenated along examples ([N, T, d])."""
-    return {t: torch.cat([s.hidden for s in ss]).cpu() for t, ss in streams.items() if ss}
+def states_of(states: Mapping[str, Tensor], tasks: Sequence[str]) -> dict[str, Tensor]:
+    """The stored states (hidden and carried) of `tasks` only."""
+    return {k: v for k, v in states.items() if k.rsplit("/", 1)[-1] in tasks}
+
+
+def split_like(family: Family, index: int, states: Mapping[str, Tensor], like: Streams,
+               backbones: Mapping[str, nn.Module]) -> Streams:
+    """Per task, cut stored states (`stack_states`) into `like`'s batches and resume each as the
+    stream of `backbones[task]` entering block `index` (`Family.resume`; `like`: streams on the same
+    batches entering block 0 or block `index`)."""
+    carried_names = {k[len(CARRIED):].rsplit("/", 1)[0] for k in states if k.startswith(CARRIED)}
+    out: Streams = {}
+    for task, streams in like.items():
+        if task not in states:
+            raise KeyError(f"no cached hidden states for task {task!r} (cached: {sorted(k for k in states if not k.startswith(CARRIED))})")
+        hidden, start, out[task] = states[task], 0, []
+        carried = {n: states[f"{CARRIED}{n}/{task}"] for n in carried_names}
+        for stream in streams:
+            n = stream.hidden.shape[0]
+            part = hidden[start:start + n]
+            # a state carrying more (T5's decoder) may resume from a `like` of another length
+            expected = stream.hidden.shape if not carried else (n, *part.shape[1:-1], stream.hidden.shape[-1])
+            if part.shape != expected:
+                raise ValueError(
+                    f"task {task!r}: cached states {tuple(hidden.shape)} do not match the calibration batches "
+                    f"(batch at example {start} has shape {tuple(stream.hidden.shape)})"
+                )
+            cast = dict(device=stream.hidden.device, dtype=stream.hidden.dtype)
+            parts = {name: value[start:start + n].to(**cast) for name, value in carried.items()}
+            out[task].append(family.resume(backbones[task], index, stream, part.to(**cast), parts))
+            start += n
+        if start != hidden.shape[0]:
+            raise ValueError(f"task {task!r}: {hidden.shape[0]} cached examples, the batches hold {start}")
+    return out
 
 
 class CachedExpertStates:
-    """The experts' states entering each block, read from a cache (`load(layer)` -> {task: [N, T, d]})."""
+    """The experts' states entering each block, read from a cache (`load(layer)`: `stack_states`' dict)."""
 
-    def __init__(self, load: Callable[[int], Mapping[str, Tensor]]):
-        self.load = load
+    def __init__(self, family: Family, load: Callable[[int], Mapping[str, Tensor]]):
+        self.family, self.load = family, load
 
-    def at(self, index: int, like: Streams) -> Streams:
+    def at(self, index: int, like: Streams, backbones: Mapping[str, nn.Module]) -> Streams:
         with phase("cache I/O"):
-            return split_like(self.load(index), like)
+            return split_like(self.family, index, self.load(index), like, backbones)
 
     def advance(self, expert_next: Streams) -> None:
         pass
@@ -209,8 +233,8 @@ def walk(
         raise ValueError(f"blocks {start}..{stop - 1}: the model has blocks 0..{n_blocks - 1}")
     out = WalkResult(student=student_in)
     for index in tqdm(range(start, stop), desc=desc, unit="layer", disable=not progress):
-        expert_in = experts.at(index, out.student)
         with weights.block(index) as (base_bb, expert_bbs):
+            expert_in = experts.at(index, out.student, expert_bbs)
             result = calibrate_block(
                 family, index, student, base_bb, expert_bbs, out.student, expert_in, config,
                 last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
@@ -223,8 +247,8 @@ def walk(
         out.reports.extend(result.reports)
         del result  # this block's moments are not kept while the next block gathers its own
     if stop == n_blocks and config.calibrate_pooler and family.pooler(student) is not None:
-        expert_final = experts.at(n_blocks, out.student)
         with weights.pooler() as (base_bb, expert_bbs):
+            expert_final = experts.at(n_blocks, out.student, expert_bbs)
             out.reports.extend(calibrate_pooler(
                 family, student, base_bb, expert_bbs, out.student, expert_final, config, reduce_moments,
             ))
@@ -253,15 +277,6 @@ def walk_all(
         return walk(family, student, weights, student_in, expert_states, config, **kwargs)
 
 
-def require_uniform(family: Family) -> None:
-    """Cached states are put into the student's streams, which needs blocks that share their inputs."""
-    if not family.uniform_block_inputs:
-        raise ValueError(
-            f"cached per-layer states need blocks that share their extra inputs; family {family.name!r} "
-            "does not (calibrate in one process with featcal.calibration.calibrate instead)"
-        )
-
-
 @torch.no_grad()
 def expert_layer_states(family: Family, weights: BlockWeights, batches: Batches, n_blocks: int) -> Iterator[dict[str, Tensor]]:
     """Yield, for layer 0..L, each expert's states entering that block (layer L: the last output).
@@ -269,13 +284,12 @@ def expert_layer_states(family: Family, weights: BlockWeights, batches: Batches,
     Each expert runs its own forward on its own task's examples; one layer of states is held at a
     time, and only the weights `weights.block(k)` holds.
     """
-    require_uniform(family)
     streams = weights.enter_experts(family, batches)
-    yield stack_hidden(streams)
+    yield stack_states(family, streams)
     for index in range(n_blocks):
         with weights.block(index) as (_, experts):
             streams = {t: [family.run_block(experts[t], index, s) for s in ss] for t, ss in streams.items()}
-        yield stack_hidden(streams)
+        yield stack_states(family, streams)
 
 
 # --- the same forward order with a caller's own per-block step (RegMean, RegMean++) -----------------

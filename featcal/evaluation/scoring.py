@@ -14,7 +14,7 @@ from featcal.data.splits import TaskSplit
 from featcal.families import Family
 from featcal.io.checkpoints import with_backbone_assigned
 from featcal.finetune import accuracy
-from featcal.calibration.walk import ModuleWeights, Streams, require_uniform, split_like
+from featcal.calibration.walk import ModuleWeights, Streams, split_like
 
 Batches = Mapping[str, list[Mapping[str, Tensor]]]
 DRIFT_BATCH_SIZE = 32   # examples per batch when drift is measured on test examples
@@ -40,10 +40,12 @@ def drift_to_states(
     """Mean L2 distance and cosine similarity of the candidate's block outputs to the experts'
     (`expert_states(k)`: each task's expert states entering block k, e.g. a cache), layer by layer,
     over every real token of every example."""
-    require_uniform(family)
     cand_bb = family.backbone(candidate).eval()
-    same = {t: cand_bb for t in batches}  # uniform families: a block's output is its stream's hidden state
-    return _drift_by_layer(family, candidate, batches, same, lambda k, cand: split_like(expert_states(k + 1), cand))
+    # the expert states are compared, never run: resumed on the candidate's backbone, they keep
+    # the experts' hidden states and carried tensors (what `Family.block_output` reads)
+    same = {t: cand_bb for t in batches}
+    return _drift_by_layer(family, candidate, batches, same,
+                           lambda k, cand: split_like(family, k + 1, expert_states(k + 1), cand, same))
 
 
 @torch.no_grad()

@@ -99,9 +99,6 @@ class Family:
     name: str = "generic"
     model_types: tuple[str, ...] = ()
     pooling: str = "cls"  # "cls", "mean" or "last"
-    # True when every block receives the same extra inputs, so a stream can be rebuilt from the
-    # model inputs plus stored hidden states (what the per-layer pipeline relies on).
-    uniform_block_inputs: bool = True
 
     # --- structure -------------------------------------------------------------------------
     def backbone(self, model: nn.Module) -> nn.Module:
@@ -110,6 +107,10 @@ class Family:
 
     def blocks(self, backbone: nn.Module) -> list[nn.Module]:
         raise NotImplementedError
+
+    def depth(self, config: Any) -> int:
+        """How many blocks `blocks` gives for a model of this config (read before any weight is)."""
+        return int(config.num_hidden_layers)
 
     def calibrated_modules(self, block: nn.Module) -> dict[str, nn.Module]:
         """Qualified names (inside the block) → calibrated modules, in registration order."""
@@ -122,6 +123,11 @@ class Family:
     def pooler(self, backbone: nn.Module) -> nn.Linear | None:
         """An optional dense layer after the last block that reads the pooled token."""
         return None
+
+    def shared_block_prefixes(self, backbone: nn.Module) -> list[str]:
+        """Parameter-name prefixes inside blocks that running any block needs (T5: block 0's
+        relative position tables, whose biases every later block of the stack receives)."""
+        return []
 
     def block_prefix(self, backbone: nn.Module, index: int) -> str:
         """The parameter-name prefix of block `index` inside the backbone's state dict."""
@@ -163,6 +169,20 @@ class Family:
         """Apply block `index` (or a stand-in `block` with the same structure) to the stream."""
         block = self.blocks(backbone)[index] if block is None else block
         return stream.with_hidden(first_output(block(stream.hidden, *stream.args, **stream.kwargs)))
+
+    def carried(self, stream: Stream) -> dict[str, Tensor]:
+        """Per-example tensors besides the hidden states that a stored stream must keep, so that
+        `resume` can rebuild it (T5's decoder: the encoder output it cross-attends to)."""
+        return {}
+
+    def resume(self, backbone: nn.Module, index: int, like: Stream, hidden: Tensor,
+               carried: Mapping[str, Tensor]) -> Stream:
+        """The stream of `backbone` entering block `index`, from stored `hidden` states and `carried`
+        tensors. `like` is a stream on the same batch entering block 0 or block `index` of any
+        model of the family: its masks and pooled index are kept; what depends on the model (T5's
+        position biases, its encoder output) is made from `backbone` and `carried`. Here every
+        block receives the same extra inputs, whoever's they are."""
+        return like.with_hidden(hidden)
 
     def row_mask(self, module_name: str, stream: Stream) -> Tensor:
         """Which rows of a module's captured input are real tokens."""

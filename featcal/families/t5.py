@@ -5,8 +5,8 @@ generation model, the model itself (its `lm_head` is the head and is never calib
 forward order: the encoder's blocks, then the decoder's. Encoder-only models (`T5EncoderModel`)
 get just the encoder blocks.
 
-T5's blocks are not uniform (`uniform_block_inputs = False`), so this family runs them itself,
-passing exactly what `T5Stack.forward` passes:
+T5's blocks do not all receive the same inputs, so this family runs them itself, passing exactly
+what `T5Stack.forward` passes:
 - block 0 of each stack computes the relative position bias and returns it; the stack hands it to
   every later block (and, in the decoder, the cross-attention bias likewise);
 - running the last encoder block also leaves the encoder: `final_layer_norm` (+ dropout, identity
@@ -28,10 +28,17 @@ rightmost real decoder token). With an `lm_head` every decoder token is read, so
 rows are the encoder's token mask (`row_mask`).
 
 The relative attention bias is an Embedding and stays uncalibrated, as do the final norms.
+
+Stored streams (the pipeline's per-layer caches): a decoder stream carries its encoder output
+(`carried`); `resume` rebuilds a stream entering block k of a given model from the stored states:
+the decoder's inputs from the carried encoder output, and the self-attention position bias from
+that model's own block-0 position table (`shared_block_prefixes`, read with every block). The
+cross-attention bias is left to the block, which makes the same zeros block 0 would hand on.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping
 
 import torch
@@ -55,7 +62,6 @@ class T5Family(Family):
     name = "t5"
     model_types = ("t5",)
     pooling = "eos"
-    uniform_block_inputs = False
 
     # --- structure -------------------------------------------------------------------------
     def backbone(self, model: nn.Module) -> nn.Module:
@@ -71,8 +77,21 @@ class T5Family(Family):
         decoder = self.decoder(backbone)
         return blocks + (list(decoder.block) if decoder is not None else [])
 
+    def depth(self, config) -> int:
+        """The encoder's blocks and the decoder's: the pipeline's backbone (`AutoModel`) is a `T5Model`."""
+        return int(config.num_layers) + int(config.num_decoder_layers)
+
     def n_encoder_blocks(self, backbone: nn.Module) -> int:
         return len(backbone.encoder.block)
+
+    def stacks(self, backbone: nn.Module) -> list[tuple[int, nn.Module]]:
+        """(index of its first block, stack) for the encoder and, when there is one, the decoder."""
+        decoder = self.decoder(backbone)
+        return [(0, backbone.encoder)] + ([] if decoder is None else [(self.n_encoder_blocks(backbone), decoder)])
+
+    def shared_block_prefixes(self, backbone: nn.Module) -> list[str]:
+        return [self.block_prefix(backbone, first) + "layer.0.SelfAttention.relative_attention_bias."
+                for first, _ in self.stacks(backbone)]
 
     # --- inputs -------------------------------------------------------------------------------
     def model_inputs(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -134,8 +153,14 @@ class T5Family(Family):
     @torch.no_grad()
     def enter_decoder(self, backbone: nn.Module, stream: Stream) -> Stream:
         """From the last encoder block's output to the stream entering decoder block 0."""
-        encoder, decoder, x = backbone.encoder, backbone.decoder, stream.extras
-        encoder_output = encoder.dropout(encoder.final_layer_norm(stream.hidden))
+        encoder = backbone.encoder
+        return self.decoder_entry(backbone, stream.extras, encoder.dropout(encoder.final_layer_norm(stream.hidden)))
+
+    @torch.no_grad()
+    def decoder_entry(self, backbone: nn.Module, extras: Mapping, encoder_output: Tensor) -> Stream:
+        """The stream entering decoder block 0 when the encoder gave `encoder_output` (`extras`:
+        the decoder inputs that `enter` prepared)."""
+        decoder, x = backbone.decoder, extras
         args, kwargs = capture_block_call(
             decoder.block[0],
             lambda: decoder(
@@ -160,6 +185,30 @@ class T5Family(Family):
         if index == self.n_encoder_blocks(backbone) - 1 and self.decoder(backbone) is not None:
             return self.enter_decoder(backbone, out)
         return out
+
+    def carried(self, stream: Stream) -> dict[str, Tensor]:
+        return {"encoder_output": stream.extras["encoder_output"]} if stream.extras.get("stage") == DECODER else {}
+
+    @torch.no_grad()
+    def resume(self, backbone: nn.Module, index: int, like: Stream, hidden: Tensor,
+               carried: Mapping[str, Tensor]) -> Stream:
+        first, stack = [(f, s) for f, s in self.stacks(backbone) if f <= index][-1]
+        if stack is not backbone.encoder:
+            output = carried["encoder_output"]
+            if like.extras["stage"] == ENCODER:
+                like = self.decoder_entry(backbone, like.extras, output)
+            else:
+                args = list(like.args)
+                args[ENCODER_HIDDEN] = output
+                like = replace(like, args=tuple(args), extras={**like.extras, "encoder_output": output})
+        args = list(like.args)
+        args[CROSS_POSITION_BIAS] = None
+        args[POSITION_BIAS] = None
+        if first < index < len(self.blocks(backbone)):
+            # what block 0 of the stack computes and T5Stack hands to every later block
+            attention = stack.block[0].layer[0].SelfAttention
+            args[POSITION_BIAS] = attention.compute_bias(hidden.shape[1], hidden.shape[1], device=hidden.device)
+        return replace(like, hidden=hidden, args=tuple(args))
 
     def row_mask(self, module_name: str, stream: Stream) -> Tensor:
         """Cross-attention keys/values read the encoder's tokens; everything else the stream's."""

@@ -33,7 +33,7 @@ from featcal.families import Family, family_for
 from featcal.data.encoders import InputEncoder, load_encoder
 from featcal.io.models import load_backbone, load_classifier
 from featcal.io.feature_store import read_group
-from featcal.calibration.walk import CachedExpertStates, ModuleWeights, walk_all
+from featcal.calibration.walk import CachedExpertStates, ModuleWeights, states_of, walk_all
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class TuneProblem:
                 after_block(k, backbone)
 
         walk_all(self.family, backbone, self.weights, self.batches, config,
-                 expert_states=CachedExpertStates(self.states), on_block=on_block, progress=False)
+                 expert_states=CachedExpertStates(self.family, self.states), on_block=on_block, progress=False)
         return backbone
 
     @torch.no_grad()
@@ -227,8 +227,7 @@ def load_problem(
         dev[task] = DevSplit(split, max_length[task], dropped)
 
     def expert_states(layer: int) -> dict[str, Tensor]:
-        states = read_group(features / f"layer_{layer:02d}.zarr")
-        return {t: states[t] for t in tasks}
+        return states_of(read_group(features / f"layer_{layer:02d}.zarr"), tasks)
 
     return TuneProblem(load_backbone(str(merged)), load_backbone(base),
                        {t: load_classifier(str(Path(experts_dir) / t)) for t in tasks},
