@@ -1,4 +1,5 @@
-"""DVC stage `finetune@<task>`: one expert per task (or a user's existing checkpoint, unchanged)."""
+"""DVC stage `finetune@<task>`: one expert per task (or a user's existing checkpoint, unchanged but
+for the zero-shot head a CLIP tower gets with `model.zero_shot.text_model`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,19 @@ import argparse
 import torch
 from common import get, live_log, load_params, log_step, max_length, setup_logging, timed
 
-from featcal.data.splits import num_labels, read_split
+from featcal.data.splits import class_names, num_labels, read_split
 from featcal.data.encoders import load_encoder
+from featcal.families.clip_zero_shot import DEFAULT_TEMPLATES, load_text_tower, zero_shot_weight
 from featcal.io.models import atomic_dir, check_finite, load_classifier, write_json
 from featcal.finetune import FinetuneConfig, accuracy, finetune
+
+
+def use_zero_shot_head(model, zero_shot: dict, classes: list[str]) -> None:
+    """With `model.zero_shot.text_model`, the task's head is CLIP's zero-shot head on its class names."""
+    if zero_shot["text_model"] is None:
+        return
+    text_model, tokenizer = load_text_tower(zero_shot["text_model"])
+    model.use_zero_shot_head(zero_shot_weight(text_model, tokenizer, classes, zero_shot["templates"] or DEFAULT_TEMPLATES))
 
 
 def main() -> None:
@@ -29,18 +39,23 @@ def main() -> None:
     with timed(f"finetune@{task}"), live_log(args.live) as live:
         encoder = load_encoder(base_ref)
         length = max_length(params, task)
+        zero_shot = {"text_model": None, "templates": None, **(get(params, "model.zero_shot", None) or {})}
+        n_labels = num_labels(tasks_dir, task)
         if existing:
-            model = load_classifier(existing)
-            if model.config.num_labels != num_labels(tasks_dir, task):
+            # a CLIP tower given without a head gets its zero-shot head below
+            model = load_classifier(existing, num_labels=n_labels if zero_shot["text_model"] else None)
+            if model.config.num_labels != n_labels:
                 raise SystemExit(f"experts.paths.{task}: {existing} has {model.config.num_labels} labels, "
-                                 f"task {task!r} has {num_labels(tasks_dir, task)}")
+                                 f"task {task!r} has {n_labels}")
+            use_zero_shot_head(model, zero_shot, class_names(tasks_dir, task))
         else:
             settings = dict(get(params, "finetune"))
             overrides = settings.pop("overrides", {}) or {}
             settings.update(overrides.get(task, {}))
             config = FinetuneConfig(max_length=length, seed=int(get(params, "seed")), **settings)
             torch.manual_seed(config.seed)
-            model = load_classifier(base_ref, num_labels=num_labels(tasks_dir, task))
+            model = load_classifier(base_ref, num_labels=n_labels)
+            use_zero_shot_head(model, zero_shot, class_names(tasks_dir, task))
             last: dict[str, float] = {}
 
             def log_epoch(epoch: int, metrics: dict[str, float]) -> None:

@@ -189,9 +189,22 @@ def nested(cls: type):
 # --- the sections ----------------------------------------------------------------------------------
 
 
+def prompt_template(value, where: str) -> str:
+    if "{}" not in text(value, where):
+        raise ParamsError(f'{where} = {value!r}: a prompt template needs "{{}}" where the class name goes')
+    return value
+
+
+@dataclass(frozen=True)
+class ZeroShot:
+    text_model: str | None = knob(optional(text), None)
+    templates: list = knob(list_of(prompt_template, 1), factory=lambda: ["a photo of a {}."])
+
+
 @dataclass(frozen=True)
 class Model:
     base: str = knob(text)
+    zero_shot: ZeroShot = nested(ZeroShot)
 
 
 @dataclass(frozen=True)
@@ -500,11 +513,29 @@ def base_model_info(params: Params) -> BaseModelInfo:
     task_class = task_model_class(config)
     if type(config) not in task_class._model_mapping:
         raise ParamsError(f"model.base = {params.model.base!r}: model type {config.model_type!r} has no "
-                          f"{task_class.__name__} class, and the pipeline fine-tunes and scores one task model per "
-                          "task (a CLIP vision tower's zero-shot heads are built in the library: "
-                          "featcal.families.clip_zero_shot, docs/api.md)")
+                          f"{task_class.__name__} class, and the pipeline fine-tunes and scores one task model per task")
+    check_zero_shot(params, config)
     positions = getattr(config, "max_position_embeddings", None)
     return BaseModelInfo(config.model_type, FAMILIES[config.model_type].depth(config), positions)
+
+
+def check_zero_shot(params: Params, base_config) -> None:
+    """Zero-shot heads: for a CLIP vision tower, from a CLIP text tower of the same projection width."""
+    ref = params.model.zero_shot.text_model
+    if ref is None:
+        return
+    where = "model.zero_shot.text_model"
+    if base_config.model_type != "clip_vision_model":
+        raise ParamsError(f"{where} = {ref!r}: zero-shot heads are for CLIP vision towers, but model.base is a "
+                          f"{base_config.model_type!r} model; set it to null")
+    config = model_config(ref, where)
+    text_config = getattr(config, "text_config", config)
+    if config.model_type not in ("clip", "clip_text_model"):
+        raise ParamsError(f"{where} = {ref!r}: a {config.model_type!r} model; expected a CLIP model or CLIP text tower")
+    width = getattr(config, "projection_dim", getattr(text_config, "projection_dim", None))
+    if width != base_config.projection_dim:
+        raise ParamsError(f"{where} = {ref!r}: its text embeddings have {width} dimensions, the base's image "
+                          f"embeddings {base_config.projection_dim} (model.base = {params.model.base!r})")
 
 
 def check_lengths(params: Params, base: BaseModelInfo) -> None:

@@ -1,34 +1,39 @@
 """The pipeline beyond BERT: real `dvc repro` on tiny projects whose base and experts are Llama or
-T5 text classifiers or ViT image classifiers (digit images), and a CLIP vision tower base, which
-has no task model to fine-tune, refused before anything runs."""
+T5 text classifiers, ViT image classifiers or CLIP vision towers with zero-shot heads (digit
+images)."""
 
 import json
 import sys
+from typing import Callable
 
 import pytest
 import torch
 import yaml
-from transformers import (CLIPVisionConfig, CLIPVisionModelWithProjection, LlamaForSequenceClassification,
-                          T5ForSequenceClassification, ViTForImageClassification)
+from transformers import (CLIPVisionModelWithProjection, LlamaForSequenceClassification, T5ForSequenceClassification,
+                          ViTForImageClassification)
 
 from conftest import DOWNSTREAM, DVC, UPSTREAM, stages_run
 from featcal.data.encoders import load_encoder
-from featcal.io.models import load_task_model
+from featcal.families.clip_zero_shot import CLIPVisionClassifier, load_text_tower, zero_shot_weight
+from featcal.io.models import load_classifier, load_task_model
 from featcal.data.splits import encode_batches, read_split
-from tiny_project import (ROOT, image_tasks, make_llama_base, make_project, make_t5_base, make_tasks, make_vit_base, run,
-                          tiny_params)
+from tiny_project import (ROOT, image_tasks, make_clip_base, make_llama_base, make_project, make_t5_base, make_tasks,
+                          make_vit_base, run, tiny_params)
 
 sys.path.insert(0, str(ROOT / "stages"))
 import common  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-def check_family_project(root, tasks: dict, task_class: type) -> None:
+def check_family_project(root, tasks: dict, task_class: type, configure: Callable[[dict], None] | None = None) -> None:
     """`dvc repro` of a tiny project on the base saved at `root/base`: the whole chain runs, the
     calibrated model's drift to the experts falls at every block, `models/featcal` loads per task as
     `task_class` and scores what evaluate reported, and an alpha change re-runs only calibration
-    and evaluation."""
-    project = make_project(root, tiny_params(root / "base", tasks))
+    and evaluation. `configure(params)` edits the tiny project's params first."""
+    params = tiny_params(root / "base", tasks)
+    if configure is not None:
+        configure(params)
+    project = make_project(root, params)
     first = run([*DVC, "repro"], project)
     assert stages_run(first) == upstream_of(tasks) | DOWNSTREAM, first   # the whole chain
 
@@ -75,12 +80,45 @@ def test_a_t5_project_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibr
     check_family_project(tmp_path, make_tasks(tmp_path / "raw"), T5ForSequenceClassification)
 
 
-def test_a_clip_vision_tower_base_is_refused_naming_the_key_and_where_zero_shot_heads_are_built(tmp_path):
-    config = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=8, patch_size=2, projection_dim=16)
-    CLIPVisionModelWithProjection(config).save_pretrained(tmp_path / "clip")
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params(tmp_path / "clip", image_tasks()), sort_keys=False))
+def test_a_clip_project_with_zero_shot_heads_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):
+    """CLIP vision towers whose heads are CLIP's zero-shot heads, made from the class names by the
+    CLIP text tower (`model.zero_shot.text_model`): frozen while the experts fine-tune, and given to
+    an expert that comes as a bare tower without a head, as the merging papers' experts do."""
+    make_clip_base(tmp_path / "base", tmp_path / "clip")
+    tasks = image_tasks()
+    text_model = str(tmp_path / "clip")
+    check_family_project(tmp_path, tasks, CLIPVisionClassifier,
+                         lambda params: params["model"]["zero_shot"].update(text_model=text_model))
+    clip, tokenizer = load_text_tower(text_model)
+    project = tmp_path / "project"
+
+    def zero_shot(task: str) -> torch.Tensor:
+        return zero_shot_weight(clip, tokenizer, json.loads((project / f"data/tasks/{task}/labels.json").read_text())["classes"])
+
+    for task in tasks:   # each task's head: the zero-shot head of its class names, in the experts and the result
+        for model in (load_classifier(str(project / "experts" / task)), load_task_model(project / "models/featcal", task)):
+            assert torch.equal(model.classifier.weight, zero_shot(task)), task
+
+    tower = CLIPVisionModelWithProjection.from_pretrained(project / "experts/magnitude")   # no classifier
+    with torch.no_grad():
+        tower.visual_projection.weight.mul_(2.0)   # told apart from the expert the pipeline made
+    tower.save_pretrained(tmp_path / "tower")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["experts"]["paths"] = {"magnitude": str(tmp_path / "tower")}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    assert stages_run(run([*DVC, "repro", "--single-item", "finetune@magnitude"], project)) == {"finetune@magnitude"}
+    given = load_classifier(str(project / "experts/magnitude"))
+    assert torch.equal(given.classifier.weight, zero_shot("magnitude"))
+    assert torch.equal(given.visual_projection.weight, tower.visual_projection.weight)
+
+
+def test_zero_shot_heads_for_a_base_that_is_no_clip_vision_tower_are_refused_naming_the_key(tmp_path):
+    make_clip_base(tmp_path / "clip_base", tmp_path / "clip")
+    make_vit_base(tmp_path / "base")
+    params = tiny_params(tmp_path / "base", image_tasks())
+    params["model"]["zero_shot"]["text_model"] = str(tmp_path / "clip")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     with pytest.raises(SystemExit) as err:
         common.load_params(tmp_path / "params.yaml", check_chain=False)
     message = str(err.value.code)
-    assert "model.base" in message and "'clip_vision_model'" in message and "clip_zero_shot" in message, message
+    assert "model.zero_shot.text_model" in message and "'vit'" in message, message

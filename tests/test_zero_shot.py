@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import string
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -18,8 +17,9 @@ import transformers as tf
 from torch import Tensor
 
 from featcal.families.clip import CLIPVisionFamily
+from tiny_project import tiny_clip_tokenizer
 from featcal.families.clip_zero_shot import (
-    CLIP_LOGIT_SCALE_INIT, ZeroShotHead, class_text_embeddings, zero_shot_head,
+    CLIP_LOGIT_SCALE_INIT, CLIPVisionClassifier, ZeroShotHead, class_text_embeddings, zero_shot_head, zero_shot_weight,
 )
 
 IMAGE, PATCH, HIDDEN, PROJ = 16, 4, 32, 16
@@ -27,17 +27,9 @@ CLASSES = ("cat", "zebra", "ox", "tree")
 TWO_TEMPLATES = ("a photo of a {}.", "{}")   # different lengths: the batch is padded
 
 
-def tiny_tokenizer() -> tf.CLIPTokenizer:
-    """Byte-level BPE with no merges: one token per letter (plus an end-of-word form); the special
-    tokens come last, so the EOS id is also the largest id (both of CLIP's EOS poolings agree)."""
-    chars = list(string.ascii_lowercase) + ["."]
-    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
-    return tf.CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[])
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> tf.CLIPTokenizer:
-    return tiny_tokenizer()
+    return tiny_clip_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +87,30 @@ def test_head_logits_match_clip_logits_per_image(clip, tokenizer):
     torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
     assert head.logit_scale.item() == pytest.approx(1.3)
     assert all(not p.requires_grad for p in head.buffers()) and not list(head.parameters())
+
+
+def test_the_pipelines_clip_classifier_with_a_zero_shot_head_gives_clips_logits(clip, tokenizer, tmp_path):
+    """The task model the pipeline fine-tunes and scores: loaded from a CLIPVisionModelWithProjection
+    checkpoint (the merging papers' experts), its zero-shot head frozen, saved and loaded back."""
+    clip.save_pretrained(tmp_path / "clip")
+    tf.CLIPVisionModelWithProjection.from_pretrained(tmp_path / "clip").save_pretrained(tmp_path / "tower")
+    model = tf.AutoModelForImageClassification.from_pretrained(tmp_path / "tower", num_labels=len(CLASSES)).eval()
+    assert isinstance(model, CLIPVisionClassifier)
+    model.use_zero_shot_head(zero_shot_weight(clip, tokenizer, CLASSES))
+    assert not model.classifier.weight.requires_grad and model.tower.embeddings.class_embedding.requires_grad
+    model.save_pretrained(tmp_path / "expert")
+    again = tf.AutoModelForImageClassification.from_pretrained(tmp_path / "expert").eval()
+    x = pixels()
+    prompts = tokenizer([f"a photo of a {c}." for c in CLASSES], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        reference = clip(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                         pixel_values=x).logits_per_image
+        torch.testing.assert_close(model(pixel_values=x).logits, reference, atol=1e-5, rtol=0)
+        torch.testing.assert_close(again(pixel_values=x).logits, reference, atol=1e-5, rtol=0)
+    # on disk: a CLIPVisionModelWithProjection checkpoint plus the classifier, so the towers load alone
+    tower = tf.CLIPVisionModelWithProjection.from_pretrained(tmp_path / "expert")
+    assert torch.equal(tower.visual_projection.weight, clip.visual_projection.weight)
+    assert CLIPVisionFamily().backbone(again) is again.tower
 
 
 def test_two_templates_average_normalised_prompt_embeddings(clip, tokenizer):

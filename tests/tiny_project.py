@@ -11,6 +11,7 @@ import time
 import re
 import random
 import shutil
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Mapping, Sequence
 
 import torch
 import yaml
-from transformers import (BertConfig, BertModel, BertTokenizer, LlamaConfig, LlamaModel, T5Config, T5Model, ViTConfig,
+from transformers import (BertConfig, BertModel, BertTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer,
+                          CLIPVisionModelWithProjection, LlamaConfig, LlamaModel, T5Config, T5Model, ViTConfig,
                           ViTImageProcessorPil, ViTModel)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +80,36 @@ def make_t5_base(path: Path, encoder_layers: int = 1, decoder_layers: int = 1, *
                       eos_token_id=vocab.index("[SEP]"))
     T5Model(config).save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
+
+
+def tiny_clip_tokenizer() -> CLIPTokenizer:
+    """Byte-level BPE with no merges: one token per letter (plus an end-of-word form); the special
+    tokens come last, so the EOS id is also the largest id (both of CLIP's EOS poolings agree)."""
+    chars = list(string.ascii_lowercase) + ["."]
+    tokens = chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[])
+
+
+def make_clip_base(path: Path, text_path: Path, layers: int = 2, *, hidden: int = 32, heads: int = 4,
+                   intermediate: int = 64, projection: int = 16, image_size: int = 8, patch_size: int = 2,
+                   seed: int = 0) -> None:
+    """A seeded random tiny CLIP for 8x8 images: the whole model and its tokenizer at `text_path`
+    (what zero-shot heads are made from), its vision tower with projection and an image processor
+    at `path` (the base), as one takes a CLIP-ViT base from a CLIP checkpoint."""
+    tokenizer = tiny_clip_tokenizer()
+    torch.manual_seed(seed)
+    tower = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                 num_attention_heads=heads, projection_dim=projection)
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+    config = CLIPConfig(text_config=dict(vocab_size=len(tokenizer), max_position_embeddings=32, **tower, **special),
+                        vision_config=dict(image_size=image_size, patch_size=patch_size, **tower),
+                        projection_dim=projection)
+    CLIPModel(config).save_pretrained(text_path)
+    tokenizer.save_pretrained(text_path)
+    CLIPVisionModelWithProjection.from_pretrained(text_path).save_pretrained(path)
+    ViTImageProcessorPil(size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
+                         image_std=[0.5] * 3).save_pretrained(path)
 
 
 def make_vit_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int = 4, intermediate: int = 64,

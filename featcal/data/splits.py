@@ -43,12 +43,17 @@ def read_split(tasks_dir: str | os.PathLike, task: str, split: str) -> TaskSplit
     return TaskSplit(task, split, table.column(content).to_pylist(), torch.tensor(table.column("label").to_pylist()))
 
 
-def num_labels(tasks_dir: str | os.PathLike, task: str) -> int:
+def class_names(tasks_dir: str | os.PathLike, task: str) -> list[str]:
+    """Label i's name (`labels.json`), or the label numbers as text for a task folder without one."""
     path = Path(tasks_dir) / task / "labels.json"
     if path.exists():
         record = json.loads(path.read_text())
-        return len(record["classes"] if isinstance(record, dict) else record)   # a list before the raw-label record
-    return int(read_split(tasks_dir, task, "train").labels.max()) + 1
+        return [str(c) for c in (record["classes"] if isinstance(record, dict) else record)]   # a list before the raw-label record
+    return [str(i) for i in range(int(read_split(tasks_dir, task, "train").labels.max()) + 1)]
+
+
+def num_labels(tasks_dir: str | os.PathLike, task: str) -> int:
+    return len(class_names(tasks_dir, task))
 
 
 def calibration_subset(split: TaskSplit, n: int, seed: int) -> TaskSplit:

@@ -4,7 +4,8 @@ Backbone = the whole vision tower, i.e. the `CLIPVisionModel` (for `CLIPVisionMo
 that is `model.vision_model`): patch and position embeddings, `pre_layrnorm`, the encoder blocks
 and `post_layernorm`. This is the part that the CLIP merging benchmarks (and the FeatCal release)
 merge. The head lives outside it: `visual_projection` (when the model has one) followed by the
-task's zero-shot classifier; it keeps its merged values.
+task's zero-shot or linear classifier (`featcal.families.clip_zero_shot.CLIPVisionClassifier`, the
+pipeline's task model); it keeps its values.
 
 `pre_layrnorm` runs before block 0, so the hook-captured stream entering block 0 already includes
 it. The head reads `post_layernorm(h_L[:, 0])` (the tower's `pooler_output`); `head_features`
@@ -26,7 +27,9 @@ class CLIPVisionFamily(ImageTowerFamily):
     model_types = ("clip_vision_model",)
 
     def backbone(self, model: nn.Module) -> nn.Module:
-        """The vision tower: descend through `vision_model` wrappers (with-projection, older layouts)."""
+        """The vision tower: a task model's base model (`CLIPVisionClassifier.tower`), then down
+        through `vision_model` wrappers (with-projection, older layouts)."""
+        model = super().backbone(model)
         while hasattr(model, "vision_model"):
             model = model.vision_model
         return model

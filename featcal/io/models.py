@@ -116,6 +116,7 @@ def task_model_class(config) -> type:
     """The task-model class of a config: image classification for vision models, else sequence
     classification."""
     from featcal.data.encoders import is_image_model
+    from featcal.families import clip_zero_shot  # noqa: F401  registers CLIP vision towers' classifier
 
     return AutoModelForImageClassification if is_image_model(config.model_type) else AutoModelForSequenceClassification
 
