@@ -165,6 +165,34 @@ def test_surgery_on_a_vit_image_classifier_reads_the_cls_token_its_head_reads():
         assert not torch.allclose(logits, torch.cat([model(**b).logits for b in batches]), atol=1e-4)
 
 
+def test_surgery_on_a_clip_classifier_reads_the_image_embedding_its_head_reads():
+    """CLIP (the Surgery paper's own setting): f_M is the projected image embedding; the head
+    normalises it before its (zero-shot or linear) classifier."""
+    from transformers import CLIPVisionConfig
+
+    from featcal.families.clip_zero_shot import CLIPVisionClassifier
+
+    torch.manual_seed(0)
+    width = 12
+    model = CLIPVisionClassifier(CLIPVisionConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=4,
+                                                  intermediate_size=32, image_size=8, patch_size=4,
+                                                  projection_dim=width, num_labels=3)).eval()
+    batches = [{"pixel_values": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    f_m = representations(model, batches)
+    with torch.no_grad():
+        embeds = torch.cat([model.visual_projection(model.tower(**b).pooler_output) for b in batches])
+        torch.testing.assert_close(f_m, embeds, atol=1e-6, rtol=0)
+        untouched = SurgeryClassifier(model, SurgeryModule(width)).eval()   # zero-initialised: the model itself
+        assert all(torch.allclose(untouched(**b).logits, model(**b).logits, atol=1e-5) for b in batches)
+    modules = train_surgery({"t": f_m}, {"t": f_m + 0.5}, SurgeryConfig(iterations=60, progress=False), split="train")
+    trained = SurgeryClassifier(model, modules["t"]).eval()
+    with torch.no_grad():
+        logits = torch.cat([trained(**b).logits for b in batches])
+        z = modules["t"](f_m)
+        torch.testing.assert_close(logits, model.classifier(z / z.norm(dim=-1, keepdim=True)), atol=1e-5, rtol=0)
+        assert not torch.allclose(logits, torch.cat([model(**b).logits for b in batches]), atol=1e-4)
+
+
 def test_surgery_classifier_refuses_other_architectures():
     class NotBert(torch.nn.Module):
         def __init__(self):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -309,28 +309,45 @@ def feature_l1(
 # --- the deployed form --------------------------------------------------------------------------------
 
 
+class UnitNormInput(nn.Module):
+    """A classifier that reads the unit-norm representation (CLIP's heads read normalised image embeddings)."""
+
+    def __init__(self, classifier: nn.Module):
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(x / x.norm(dim=-1, keepdim=True))
+
+
 @dataclass
 class HeadParts:
     """How a task model's head reads its backbone: the representation f_M that the head's
     classifier reads (through `dropout`), and that classifier."""
 
     backbone: nn.Module
-    kind: str   # "pooler" (BERT: the pooler output) or "cls" (ViT: the final layernorm's CLS token)
+    kind: str   # "pooler" (BERT: the pooler output; CLIP: post_layernorm of CLS) or "cls" (ViT: the final layernorm's CLS token)
     dropout: nn.Module
     classifier: nn.Module
+    projection: nn.Module = field(default_factory=nn.Identity)   # CLIP: visual_projection, into the image embedding
 
     def represent(self, batch: Mapping[str, Tensor]) -> Tensor:
         out = self.backbone(**_model_inputs(batch), return_dict=True)
-        return out.pooler_output if self.kind == "pooler" else out.last_hidden_state[:, 0]
+        return self.projection(out.pooler_output if self.kind == "pooler" else out.last_hidden_state[:, 0])
 
 
 def head_parts(model: nn.Module) -> HeadParts:
     """The parts of a BERT-style sequence classifier (`bert` with a pooler, Linear `classifier`
-    on the pooler output) or a ViT image classifier (`vit`, Linear `classifier` on the CLS token of
-    the last, layer-normed hidden state); a bare BERT with a pooler or a bare ViT gives its f_M only."""
+    on the pooler output), a ViT image classifier (`vit`, Linear `classifier` on the CLS token of
+    the last, layer-normed hidden state) or a CLIP tower's classifier (`CLIPVisionClassifier`: f_M
+    is the image embedding, the head normalises it); a bare BERT with a pooler or a bare ViT gives
+    its f_M only."""
     classifier = getattr(model, "classifier", None)
     dropout = getattr(model, "dropout", None) or nn.Identity()
     bert, vit = getattr(model, "bert", None), getattr(model, "vit", None)
+    tower, projection = getattr(model, "tower", None), getattr(model, "visual_projection", None)
+    if tower is not None and isinstance(projection, nn.Linear) and isinstance(classifier, nn.Linear):
+        return HeadParts(tower, "pooler", nn.Identity(), UnitNormInput(classifier), projection)
     if bert is not None and getattr(bert, "pooler", None) is not None and isinstance(classifier, nn.Linear):
         return HeadParts(bert, "pooler", dropout, classifier)
     if vit is not None and isinstance(classifier, nn.Linear):
@@ -341,8 +358,9 @@ def head_parts(model: nn.Module) -> HeadParts:
             return HeadParts(model, "pooler" if model_type == "bert" else "cls", nn.Identity(), nn.Identity())
     raise TypeError(
         f"{type(model).__name__}: Surgery/ProbSurgery deployment is implemented for BERT-style sequence "
-        "classification (model.bert with a pooler, and a Linear model.classifier reading the pooler output) and ViT "
-        "image classification (model.vit, and a Linear model.classifier reading the CLS token); other heads read a "
+        "classification (model.bert with a pooler, and a Linear model.classifier reading the pooler output), ViT "
+        "image classification (model.vit, and a Linear model.classifier reading the CLS token) and CLIP towers "
+        "(featcal's CLIPVisionClassifier); other heads read a "
         "different representation"
     )
 
@@ -353,15 +371,15 @@ def _model_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 class SurgeryClassifier(nn.Module):
     """A task's classification model with a Surgery/ProbSurgery module between the representation
-    its head reads (BERT: the pooler output; ViT: the CLS token) and the head:
+    its head reads (BERT: the pooler output; ViT: the CLS token; CLIP: the image embedding) and the head:
     logits = classifier(dropout(module(f_M)))."""
 
     def __init__(self, task_model: nn.Module, module: nn.Module):
         super().__init__()
-        head_parts(task_model)
-        d = task_model.config.hidden_size
+        projection = head_parts(task_model).projection
+        d = projection.out_features if isinstance(projection, nn.Linear) else task_model.config.hidden_size
         if getattr(module, "d", d) != d:
-            raise ValueError(f"module width {module.d} does not match the model's hidden size {d}")
+            raise ValueError(f"module width {module.d} does not match the width of the representation the head reads, {d}")
         self.model = task_model
         self.surgery = module
         self.config = task_model.config
