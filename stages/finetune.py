@@ -10,7 +10,6 @@ from common import get, live_log, load_params, log_step, max_length, setup_loggi
 
 from featcal.data.splits import class_names, num_labels, read_split
 from featcal.data.encoders import load_encoder
-from featcal.families.clip_zero_shot import DEFAULT_TEMPLATES, load_text_tower, zero_shot_weight
 from featcal.io.models import atomic_dir, check_finite, load_classifier, write_json
 from featcal.finetune import FinetuneConfig, accuracy, finetune
 
@@ -19,6 +18,8 @@ def use_zero_shot_head(model, zero_shot: dict, classes: list[str]) -> None:
     """With `model.zero_shot.text_model`, the task's head is CLIP's zero-shot head on its class names."""
     if zero_shot["text_model"] is None:
         return
+    from featcal.families.clip_zero_shot import DEFAULT_TEMPLATES, load_text_tower, zero_shot_weight
+
     text_model, tokenizer = load_text_tower(zero_shot["text_model"])
     model.use_zero_shot_head(zero_shot_weight(text_model, tokenizer, classes, zero_shot["templates"] or DEFAULT_TEMPLATES))
 

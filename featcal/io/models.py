@@ -116,7 +116,9 @@ def task_model_class(config) -> type:
     """The task-model class of a config: image classification for vision models, else sequence
     classification."""
     from featcal.data.encoders import is_image_model
-    from featcal.families import clip_zero_shot  # noqa: F401  registers CLIP vision towers' classifier
+
+    if config.model_type == "clip_vision_model":   # registers its classifier (an import of CLIP's modelling code)
+        from featcal.families import clip_zero_shot  # noqa: F401
 
     return AutoModelForImageClassification if is_image_model(config.model_type) else AutoModelForSequenceClassification
 
