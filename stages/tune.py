@@ -7,6 +7,10 @@ summary to --summary with its plots (--history-plot: each trial's dev accuracy a
 --importance-plot: optuna's parameter importances) and, when the study lives in a server database, a
 sqlite snapshot at --snapshot. More workers, on this or other machines, run this same script from
 the project root without those: `python stages/tune.py --storage URL --n-trials N` adds trials, writes nothing.
+
+`--method surgery|probsurgery` runs the same protocol for a post-merge baseline on the same merged
+model, calibration examples and dev data (featcal.tuning.baselines); with --summary, the best
+configuration's test accuracy is added, read once (`--score-test`).
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                "results/plots/tune_history.png)")
     parser.add_argument("--importance-plot", help="with --summary: the parameter importances' PNG (the stage: "
                                                   "results/plots/tune_importance.png)")
+    parser.add_argument("--method", choices=("featcal", "surgery", "probsurgery"), default="featcal",
+                        help="what the study tunes: FeatCal's alpha, rho, ridge, or a post-merge baseline's training knobs")
+    parser.add_argument("--score-test", action="store_true",
+                        help="with --method surgery|probsurgery and --summary: also the best configuration's test accuracy")
     parser.add_argument("--live", help="with --summary: DVCLive folder, each complete trial's dev accuracy and the "
                                         "best so far, in trial order (the stage: results/live/tune)")
     args = parser.parse_args(argv)
@@ -77,6 +85,26 @@ def log_trials(study, directory: str) -> None:
         for trial in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number):
             best = trial.value if best is None else max(best, trial.value)
             log_step(live, trial.number, {"dev_accuracy": trial.value, "best_dev_accuracy": best})
+
+
+def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_trials: int, params: dict,
+                             tasks: list[str]) -> None:
+    """A post-merge baseline's study (same problem, same budget), its summary and, once, its test scores."""
+    from featcal.data.splits import read_split
+    from featcal.tuning.baselines import BaselineProblem, best_config, tune_baseline
+
+    baseline = BaselineProblem(problem)
+    outcome = tune_baseline(baseline, args.method, storage, study_name, n_trials, seed=int(get(params, "seed")))
+    if args.summary:
+        summary = dict(outcome.summary)
+        if args.score_test:
+            test = baseline.score(baseline.train(best_config(outcome, args.method)),
+                                  {t: read_split(get(params, "tasks_dir"), t, "test") for t in tasks})
+            summary["test"] = {"avg": round(sum(test.values()) / len(test), 6), **{t: round(v, 6) for t, v in test.items()}}
+        write_json(args.summary, summary)
+    best = outcome.summary.get("best", {})
+    print(f"study {study_name} ({args.method}): ran {len(outcome.ran)} new trials, best trial {best.get('trial')} "
+          f"dev {best.get('dev_avg')} {best.get('params')}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
                                    batch_size=int(get(params, "calibration.batch_size")), merged=args.merged,
                                    experts_dir=args.experts, features=args.features,
                                    tasks_dir=get(params, "tasks_dir"))
+            if args.method != "featcal":
+                return tune_baseline_and_report(problem, args, storage, study_name, n_trials, params, tasks)
             # the keys params.yaml gives; StudySettings' own defaults for the rest
             given = {f.name: settings[f.name] for f in dataclasses.fields(StudySettings) if f.name in settings}
             given["prune_after_layers"] = tuple(given.get("prune_after_layers") or ())

@@ -26,8 +26,12 @@ from featcal.calibration.config import FeatCalConfig
 from featcal.data.encoders import TextEncoder
 from featcal.data.splits import TaskSplit
 from conftest import DVC, copy_project, stages_run
+from featcal.finetune import accuracy
 from pg_server import postgres_server
 from tiny_project import ROOT, run
+
+sys.path.insert(0, str(ROOT / "stages"))
+import tune as tune_stage  # noqa: E402  stages/tune.py
 
 
 def edit_params(project: Path, **sections) -> dict:
@@ -173,6 +177,43 @@ def problem_of(project: Path, params: dict) -> tune.TuneProblem:
         base=params["model"]["base"], tasks=["sentiment", "topic"], max_length={"sentiment": 16, "topic": 16},
         batch_size=params["calibration"]["batch_size"], merged=project / "models/merged",
         experts_dir=project / "experts", features=project / "features/experts", tasks_dir=project / "data/tasks")
+
+
+def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_test_once(project, monkeypatch):
+    """`stages/tune.py --method surgery`: the same problem as FeatCal's study (merged model, calibration
+    examples, dev without their look-alikes), the paper's defaults first, seeded and resumable."""
+    from featcal.baselines.surgery import SurgeryClassifier, SurgeryConfig, train_surgery
+    from featcal.tuning import baselines
+
+    storage = f"sqlite:///{project.parent / 'baselines.db'}"
+    summary = project.parent / "surgery.json"
+    splits_read = []
+    real_read_split = objective.read_split
+    monkeypatch.setattr(objective, "read_split", lambda d, t, s: splits_read.append(s) or real_read_split(d, t, s))
+    monkeypatch.chdir(project)
+    args = ["--method", "surgery", "--storage", storage, "--study-name", "surgery-dev", "--n-trials", "3",
+            "--summary", str(summary), "--score-test"]
+    tune_stage.main(args)
+    assert set(splits_read) == {"dev"}   # the study itself scores dev only; the test split is read apart, once
+    trials = trials_of(storage, "surgery-dev")
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    assert trials[0].params == {"lr": 1e-3, "rank": 16, "iterations": 500}   # the paper's defaults go first
+    assert len({tuple(sorted(t.params.items())) for t in trials}) == 3
+
+    # the default trial's dev score is the deployed form's, computed here from the same problem
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    problem = baselines.BaselineProblem(problem_of(project, params))
+    modules = train_surgery(problem.merged_feats, problem.expert_feats, SurgeryConfig(progress=False), split="train")
+    dev = {t: accuracy(SurgeryClassifier(problem.merged_models[t], modules[t]).eval(), problem.encoder, d.split,
+                       d.max_length) for t, d in problem.dev.items()}
+    assert trials[0].value == pytest.approx(sum(dev.values()) / len(dev), abs=1e-9)
+    written = json.loads(summary.read_text())
+    assert written["method"] == "surgery" and written["best"]["dev_avg"] == round(max(t.value for t in trials), 6)
+    assert set(written["test"]) == {"avg", "sentiment", "topic"}
+
+    tune_stage.main([*args[:-3], "--n-trials", "4"])   # resumed: one more trial, the first three kept
+    again = trials_of(storage, "surgery-dev")
+    assert len(again) == 4 and [(t.params, t.value) for t in again[:3]] == [(t.params, t.value) for t in trials]
 
 
 def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> None:
