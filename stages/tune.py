@@ -9,8 +9,8 @@ sqlite snapshot at --snapshot. More workers, on this or other machines, run this
 the project root without those: `python stages/tune.py --storage URL --n-trials N` adds trials, writes nothing.
 
 `--method surgery|probsurgery` runs the same protocol for a post-merge baseline on the same merged
-model, calibration examples and dev data (featcal.tuning.baselines); with --summary, the best
-configuration's test accuracy is added, read once (`--score-test`).
+model, calibration examples and dev data (featcal.tuning.baselines). With --summary and
+`--score-test`, any method's best configuration is scored on test once and the summary gets `test`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", choices=("featcal", "surgery", "probsurgery"), default="featcal",
                         help="what the study tunes: FeatCal's alpha, rho, ridge, or a post-merge baseline's training knobs")
     parser.add_argument("--score-test", action="store_true",
-                        help="with --method surgery|probsurgery and --summary: also the best configuration's test accuracy")
+                        help="with --summary: also the best configuration's test accuracy (test read once)")
     parser.add_argument("--live", help="with --summary: DVCLive folder, each complete trial's dev accuracy and the "
                                         "best so far, in trial order (the stage: results/live/tune)")
     args = parser.parse_args(argv)
@@ -87,10 +87,19 @@ def log_trials(study, directory: str) -> None:
             log_step(live, trial.number, {"dev_accuracy": trial.value, "best_dev_accuracy": best})
 
 
+def test_splits(params: dict, tasks: list[str]) -> dict:
+    from featcal.data.splits import read_split
+
+    return {t: read_split(get(params, "tasks_dir"), t, "test") for t in tasks}
+
+
+def test_summary(scores: dict[str, float]) -> dict[str, float]:
+    return {"avg": round(sum(scores.values()) / len(scores), 6), **{t: round(v, 6) for t, v in scores.items()}}
+
+
 def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_trials: int, params: dict,
                              tasks: list[str]) -> None:
     """A post-merge baseline's study (same problem, same budget), its summary and, once, its test scores."""
-    from featcal.data.splits import read_split
     from featcal.tuning.baselines import BaselineProblem, best_config, tune_baseline
 
     baseline = BaselineProblem(problem)
@@ -98,9 +107,8 @@ def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_tri
     if args.summary:
         summary = dict(outcome.summary)
         if args.score_test:
-            test = baseline.score(baseline.train(best_config(outcome, args.method)),
-                                  {t: read_split(get(params, "tasks_dir"), t, "test") for t in tasks})
-            summary["test"] = {"avg": round(sum(test.values()) / len(test), 6), **{t: round(v, 6) for t, v in test.items()}}
+            summary["test"] = test_summary(baseline.score(baseline.train(best_config(outcome, args.method)),
+                                                          test_splits(params, tasks)))
         write_json(args.summary, summary)
     best = outcome.summary.get("best", {})
     print(f"study {study_name} ({args.method}): ran {len(outcome.ran)} new trials, best trial {best.get('trial')} "
@@ -141,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
         if args.best:
             write_best(args.best, outcome.study, base)
         if args.summary:
+            if args.score_test:   # the dev-best values, calibrated once more and scored on test
+                from featcal.tuning import best_values
+
+                config = dataclasses.replace(base, **best_values(outcome.study, base))
+                outcome.summary["test"] = test_summary(problem.score(problem.calibrate(config), test_splits(params, tasks)))
             write_json(args.summary, outcome.summary)
             if args.history_plot:
                 from featcal.evaluation.plots import plot_study   # matplotlib: only the stage draws

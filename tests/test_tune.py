@@ -215,6 +215,14 @@ def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_t
     again = trials_of(storage, "surgery-dev")
     assert len(again) == 4 and [(t.params, t.value) for t in again[:3]] == [(t.params, t.value) for t in trials]
 
+    # FeatCal's study reads test the same way: once, for its best values
+    tune_stage.main(["--storage", storage, "--study-name", "featcal-dev", "--n-trials", "1", "--summary",
+                     str(summary), "--score-test"])
+    written = json.loads(summary.read_text())
+    assert written["best"]["params"] == {k: params["featcal"][k] for k in ("alpha", "rho", "ridge")}
+    assert set(written["test"]) == {"avg", "sentiment", "topic"}
+    assert written["test"]["avg"] == pytest.approx((written["test"]["sentiment"] + written["test"]["topic"]) / 2, abs=1e-6)
+
 
 def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> None:
     same = []

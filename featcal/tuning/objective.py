@@ -160,9 +160,11 @@ class TuneProblem:
         return backbone
 
     @torch.no_grad()
-    def score(self, backbone: nn.Module) -> dict[str, float]:
-        """Dev accuracy per task, each task's head on `backbone` (`featcal.evaluation.scoring.score_backbone`)."""
-        return score_backbone(backbone, self._scorers, self.encoder, {t: d.split for t, d in self.dev.items()},
+    def score(self, backbone: nn.Module, splits: Mapping[str, TaskSplit] | None = None) -> dict[str, float]:
+        """Dev accuracy per task (or on `splits`), each task's head on `backbone`
+        (`featcal.evaluation.scoring.score_backbone`)."""
+        splits = {t: d.split for t, d in self.dev.items()} if splits is None else splits
+        return score_backbone(backbone, self._scorers, self.encoder, {t: splits[t] for t in self.dev},
                               {t: d.max_length for t, d in self.dev.items()})
 
     def fingerprint(self, config: FeatCalConfig, space: SearchSpace) -> str:
