@@ -155,7 +155,9 @@ def run_surgery(bench: Workbench, merged: nn.Module, batches: Batches, kind: str
     and the training-only cost (features cached)."""
     trainer = {"surgery": train_surgery, "probsurgery": train_probsurgery}[kind]
     with measure() as total:
-        merged_feats = {t: representations(merged, b) for t, b in batches.items()}
+        # f_M as the deployed form reads it: the merged backbone under task t's head (CLIP: its projection)
+        merged_feats = {t: representations(with_backbone(_fresh_copy(bench.experts[t]), merged.state_dict()), b)
+                        for t, b in batches.items()}
         expert_feats = {t: representations(bench.experts[t], b) for t, b in batches.items()}
         with measure() as training:
             modules = trainer(merged_feats, expert_feats, config, split=CALIBRATION_SPLIT)
