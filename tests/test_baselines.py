@@ -144,52 +144,46 @@ def test_surgery_classifier_identity_then_differs():
     assert torch.allclose(logits, expected, atol=1e-5)
 
 
-def test_surgery_on_a_vit_image_classifier_reads_the_cls_token_its_head_reads():
+def vit_classifier():
+    """A ViT image classifier: f_M is the CLS token of the last, layer-normed hidden state."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    torch.manual_seed(0)
     model = ViTForImageClassification(ViTConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=4,
                                                 intermediate_size=32, image_size=8, patch_size=4, num_labels=3)).eval()
+    return model, D, lambda b: model.vit(**b).last_hidden_state[:, 0], model.classifier
+
+
+def clip_classifier():
+    """A CLIP tower's classifier (the Surgery paper's own setting): f_M is the projected image
+    embedding, which the head normalises before its (zero-shot or linear) classifier."""
+    from transformers import CLIPVisionConfig
+
+    from featcal.families.clip_zero_shot import CLIPVisionClassifier
+
+    model = CLIPVisionClassifier(CLIPVisionConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=4,
+                                                  intermediate_size=32, image_size=8, patch_size=4,
+                                                  projection_dim=12, num_labels=3)).eval()
+    return (model, 12, lambda b: model.visual_projection(model.tower(**b).pooler_output),
+            lambda z: model.classifier(z / z.norm(dim=-1, keepdim=True)))
+
+
+@pytest.mark.parametrize("build", [vit_classifier, clip_classifier], ids=["vit", "clip"])
+def test_surgery_on_an_image_classifier_reads_the_representation_its_head_reads(build):
+    torch.manual_seed(0)
+    model, width, read, head = build()
     batches = [{"pixel_values": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(i))} for i in range(2)]
     f_m = representations(model, batches)
     with torch.no_grad():
-        cls = torch.cat([model.vit(**b).last_hidden_state[:, 0] for b in batches])
-        assert torch.equal(f_m, cls) and torch.equal(representations(model.vit, batches), cls)
-        untouched = SurgeryClassifier(model, SurgeryModule(D)).eval()   # zero-initialised: the model itself
+        assert torch.equal(f_m, torch.cat([read(b) for b in batches]))
+        if hasattr(model, "vit"):   # a bare ViT gives the same f_M
+            assert torch.equal(representations(model.vit, batches), f_m)
+        untouched = SurgeryClassifier(model, SurgeryModule(width)).eval()   # zero-initialised: the model itself
         assert all(torch.allclose(untouched(**b).logits, model(**b).logits, atol=1e-6) for b in batches)
     modules = train_surgery({"t": f_m}, {"t": f_m + 0.5}, SurgeryConfig(iterations=60, progress=False), split="train")
     trained = SurgeryClassifier(model, modules["t"]).eval()
     with torch.no_grad():
         logits = torch.cat([trained(**b).logits for b in batches])
-        assert torch.allclose(logits, model.classifier(modules["t"](f_m)), atol=1e-5)
-        assert not torch.allclose(logits, torch.cat([model(**b).logits for b in batches]), atol=1e-4)
-
-
-def test_surgery_on_a_clip_classifier_reads_the_image_embedding_its_head_reads():
-    """CLIP (the Surgery paper's own setting): f_M is the projected image embedding; the head
-    normalises it before its (zero-shot or linear) classifier."""
-    from transformers import CLIPVisionConfig
-
-    from featcal.families.clip_zero_shot import CLIPVisionClassifier
-
-    torch.manual_seed(0)
-    width = 12
-    model = CLIPVisionClassifier(CLIPVisionConfig(hidden_size=D, num_hidden_layers=1, num_attention_heads=4,
-                                                  intermediate_size=32, image_size=8, patch_size=4,
-                                                  projection_dim=width, num_labels=3)).eval()
-    batches = [{"pixel_values": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(i))} for i in range(2)]
-    f_m = representations(model, batches)
-    with torch.no_grad():
-        embeds = torch.cat([model.visual_projection(model.tower(**b).pooler_output) for b in batches])
-        torch.testing.assert_close(f_m, embeds, atol=1e-6, rtol=0)
-        untouched = SurgeryClassifier(model, SurgeryModule(width)).eval()   # zero-initialised: the model itself
-        assert all(torch.allclose(untouched(**b).logits, model(**b).logits, atol=1e-5) for b in batches)
-    modules = train_surgery({"t": f_m}, {"t": f_m + 0.5}, SurgeryConfig(iterations=60, progress=False), split="train")
-    trained = SurgeryClassifier(model, modules["t"]).eval()
-    with torch.no_grad():
-        logits = torch.cat([trained(**b).logits for b in batches])
-        z = modules["t"](f_m)
-        torch.testing.assert_close(logits, model.classifier(z / z.norm(dim=-1, keepdim=True)), atol=1e-5, rtol=0)
+        assert torch.allclose(logits, head(modules["t"](f_m)), atol=1e-5)
         assert not torch.allclose(logits, torch.cat([model(**b).logits for b in batches]), atol=1e-4)
 
 
