@@ -11,7 +11,6 @@ method with `featcal.tuning.study.run_trials`: seeded TPE, resumable, the papers
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass, replace
 from typing import Mapping
 
@@ -26,9 +25,8 @@ from featcal.data.splits import TaskSplit
 from featcal.finetune import accuracy
 from featcal.io.checkpoints import with_backbone_assigned
 from featcal.tuning.objective import TuneProblem
-from featcal.tuning.study import make_storage, open_study, run_trials, summarize, TuneOutcome
+from featcal.tuning.study import count_trials, make_storage, open_study, redacted, run_trials, summarize, TuneOutcome
 
-log = logging.getLogger(__name__)
 
 KINDS = ("surgery", "probsurgery")
 
@@ -104,11 +102,12 @@ def tune_baseline(problem: BaselineProblem, kind: str, storage: str, study_name:
         return sum(dev.values()) / len(dev)
 
     study = open_study(make_storage(storage), study_name)
+    existing = count_trials(study)
     ran = run_trials(study, objective, n_trials, seed=seed, startup_trials=startup_trials,
                      enqueue={name: getattr(base, name) for name in space})
     summary = summarize(study)
-    summary.update({"method": kind, "storage": storage, "target": n_trials, "ran_now": len(ran)})
-    return TuneOutcome(study, ran, 0, summary)
+    summary.update({"method": kind, "storage": redacted(storage), "target": n_trials, "ran_now": len(ran)})
+    return TuneOutcome(study, ran, existing, summary)
 
 
 def best_config(outcome: TuneOutcome, kind: str) -> SurgeryConfig | ProbSurgeryConfig:
