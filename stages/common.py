@@ -12,11 +12,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
+from warm_start import start_stage
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # transformers' per-load bars
+start_stage()   # the stage environment; returns unless a warm interpreter ran this stage (stages/warm_start.py)
 
 from featcal.data.splits import CalibrationSpec  # noqa: E402
 from featcal.io.models import write_json  # noqa: E402

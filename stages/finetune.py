@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 from common import get, live_log, load_params, log_step, max_length, setup_logging, timed
+import torch
 
 from featcal.data.splits import class_names, num_labels, read_split
 from featcal.data.encoders import load_encoder

@@ -14,11 +14,15 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
+from warm_start import start_stage
 
-from featcal.data.tasks import TaskSpec, load_task_frame, split_task, summarize, write_task
+start_stage()   # the stage environment; returns unless a warm interpreter ran this stage (stages/warm_start.py)
+
+import yaml  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
+
+from featcal.data.tasks import TaskSpec, load_task_frame, split_task, summarize, write_task  # noqa: E402
 
 
 def read_specs(params_path: Path) -> tuple[list[TaskSpec], int]:

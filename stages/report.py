@@ -12,7 +12,11 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from featcal.evaluation.report import write_report
+from warm_start import start_stage
+
+start_stage()   # the stage environment; returns unless a warm interpreter ran this stage (stages/warm_start.py)
+
+from featcal.evaluation.report import write_report  # noqa: E402
 
 LIVE_CAPTION = "Fine-tuning, per task: train loss and dev accuracy per epoch (DVCLive, stage finetune)"
 

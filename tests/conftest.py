@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import json
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,6 +43,39 @@ from tiny_project import copy_pipeline, init_repo, make_base, make_tasks, projec
 torch.set_num_threads(1)
 
 DVC = [sys.executable, "-m", "dvc"]
+
+
+# --- warm stage starts ----------------------------------------------------------------------------------
+
+# FEATCAL_TESTS_COLD=1: every DVC stage process imports torch & co. itself, as under `make repro`.
+COLD = os.environ.get("FEATCAL_TESTS_COLD", "") not in ("", "0")
+WARM_ENV_KEY = "FEATCAL_WARM_STAGES"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def warm_stage_starts():
+    """One stages/warm_start.py server per test process: the suite's DVC stages fork from it instead
+    of each importing torch and transformers (~2.5 s a stage, ~90 stages). Its socket goes into
+    os.environ, so every subprocess (dvc, and the stages dvc runs) finds it; a stage that starts
+    before the server is ready, or whose environment differs, starts cold."""
+    if COLD or WARM_ENV_KEY in os.environ:
+        yield None
+        return
+    folder = Path(tempfile.mkdtemp(prefix="featcal-warm-"))
+    path = folder / "stages.sock"
+    server = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "stages/warm_start.py"), "serve",
+                               "--socket", str(path)], env=project_env(), stdin=subprocess.DEVNULL)
+    os.environ[WARM_ENV_KEY] = str(path)
+    try:
+        yield path
+    finally:
+        os.environ.pop(WARM_ENV_KEY, None)
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -276,7 +310,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _tiny_project_build(request, tmp_path_factory):
+def _tiny_project_build(request, tmp_path_factory, warm_stage_starts):
     """Starts the tiny project's build as the session starts, when a selected test needs it."""
     if not any(_uses_tiny_project(item) for item in request.session.items):
         yield None

@@ -281,6 +281,7 @@ def test_two_workers_share_one_postgres_study(project, postgres, tmp_path):
     cmd = [sys.executable, "stages/tune.py", "--storage", postgres.url, "--study-name", "shared",
            "--n-trials", "8"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.pop("FEATCAL_WARM_STAGES", None)   # cold processes: the trials' worker ids name these pids
     workers = [subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True) for _ in range(2)]
     outputs = [w.communicate(timeout=300)[0] for w in workers]

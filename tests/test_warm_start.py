@@ -1,0 +1,111 @@
+"""stages/warm_start.py: a stage forked from a warm interpreter behaves as `python <script>` would
+(argv, working directory, environment, standard streams, exit status, signals), and without a
+usable server it runs cold."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tiny_project import ROOT
+
+PROBE = '''
+import json, os, sys, time
+warm = "torch" in sys.modules           # imported before this line only in a warm interpreter
+from warm_start import start_stage
+start_stage()
+mode = sys.argv[1]
+if mode == "report":
+    print(json.dumps({"warm": warm, "argv": sys.argv, "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
+                      "stdin": sys.stdin.read(), "served": "FEATCAL_WARM_STAGES" in os.environ, "pid": os.getpid()}))
+    print("to stderr", file=sys.stderr)
+    sys.exit(3)
+if mode == "raise":
+    raise ValueError("boom")
+if mode == "message":
+    sys.exit("a message")
+if mode == "sleep":
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+'''
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A warm server and a stages folder holding warm_start.py and a probe script."""
+    root = tmp_path_factory.mktemp("warm")
+    stages = root / "stages"
+    stages.mkdir()
+    shutil.copy(ROOT / "stages/warm_start.py", stages / "warm_start.py")
+    (stages / "probe.py").write_text(PROBE)
+    sock = Path(f"/tmp/featcal-warm-test-{os.getpid()}.sock")
+    proc = subprocess.Popen([sys.executable, str(stages / "warm_start.py"), "serve", "--socket", str(sock)],
+                            env=dict(os.environ), stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not sock.exists():
+        assert proc.poll() is None, "the server exited"
+        assert time.monotonic() < deadline, "no socket after 120 s"
+        time.sleep(0.1)
+    yield root, sock
+    proc.terminate()
+    proc.wait(timeout=10)
+    sock.unlink(missing_ok=True)
+
+
+def probe(root: Path, sock: Path | None, *args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess:
+    environment = dict(os.environ, PROBE="value", **env)
+    environment.pop("FEATCAL_WARM_STAGES", None)
+    if sock is not None:
+        environment["FEATCAL_WARM_STAGES"] = str(sock)
+    return subprocess.run([sys.executable, "stages/probe.py", *args], cwd=root, env=environment, input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_served_stage_gets_argv_cwd_environment_streams_and_its_exit_status(server):
+    root, sock = server
+    done = probe(root, sock, "report", "--flag", stdin="from stdin")
+    assert done.returncode == 3, done.stderr
+    report = json.loads(done.stdout)
+    assert report["warm"] is True   # ran in the server's fork
+    assert report["argv"] == ["stages/probe.py", "report", "--flag"]
+    assert report["cwd"] == str(root) and report["probe"] == "value" and report["stdin"] == "from stdin"
+    assert report["served"] is False   # processes it starts start cold
+    assert done.stderr == "to stderr\n"
+
+
+def test_without_a_server_or_with_another_import_time_environment_a_stage_runs_cold(server, tmp_path):
+    root, sock = server
+    for done in (probe(root, tmp_path / "none.sock", "report"), probe(root, sock, "report", HF_HOME=str(tmp_path))):
+        assert done.returncode == 3, done.stderr
+        report = json.loads(done.stdout)
+        assert report["warm"] is False and report["probe"] == "value"
+
+
+def test_a_served_stage_that_fails_reports_as_python_does(server):
+    root, sock = server
+    raised = probe(root, sock, "raise")
+    assert raised.returncode == 1
+    assert "Traceback" in raised.stderr and "ValueError: boom" in raised.stderr
+    message = probe(root, sock, "message")
+    assert (message.returncode, message.stderr) == (1, "a message\n")
+
+
+def test_a_signal_to_the_stage_process_reaches_the_served_child(server):
+    root, sock = server
+    environment = dict(os.environ, FEATCAL_WARM_STAGES=str(sock))
+    proc = subprocess.Popen([sys.executable, "stages/probe.py", "sleep"], cwd=root, env=environment,
+                            stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    assert child != proc.pid
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists():
+        assert time.monotonic() < deadline, "the child outlived the signal"
+        time.sleep(0.05)
