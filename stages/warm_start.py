@@ -5,10 +5,11 @@ small project that is most of `dvc repro`. `python stages/warm_start.py serve --
 them once and waits; a stage started with FEATCAL_WARM_STAGES=PATH in its environment (checked by
 `start_stage`, every stage script's first call) hands its argv, working directory, environment and
 standard streams to that server, which forks a child to run the script as `python` would, and exits
-with the child's status. Signals sent to the stage process reach the child. Without a server, or when the server
-cannot stand in (another interpreter, or environment variables read at import time differ), the
-stage runs as usual. Nothing of the project (featcal, stages) is imported by the server, so each
-stage imports the project's code afresh.
+with the child's status. Signals sent to the stage process reach the child. Without a server, or
+when the server cannot stand in (another interpreter, or environment variables read at import time
+differ), the stage runs as usual. Nothing of the project (featcal, stages) is imported by the
+server, so each stage imports the project's code afresh. Whoever can open the socket runs code as
+its owner: keep it in a folder only you can enter (as tests/conftest.py does).
 
 The test suite runs its DVC projects this way (tests/conftest.py); `make repro` does not.
 """
@@ -40,9 +41,13 @@ PRELOAD = ("numpy", "yaml", "torch", "torch.nn.functional", "safetensors.torch",
 # Environment variables read when those modules are imported: a stage whose values differ runs cold.
 IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_",
                         "CUDA_", "PYTHON", "ZARR_", "NUMPY_", "ARROW_", "MPL")
+# ...except what torchrun sets for its workers, read when the process group starts, not at import.
+RUNTIME_ONLY_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
+CHILD_KEY = "FEATCAL_WARM_CHILD"   # the pid of a served stage: it runs where it is, never asks again
 # What every stage process sets before importing anything (start_stage).
-STAGE_ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                      "HF_HUB_DISABLE_PROGRESS_BARS": "1"}   # the last: transformers' per-load bars
+# (HF_HUB_DISABLE_PROGRESS_BARS: no per-load bars from transformers.)
+STAGE_ENV_DEFAULTS = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                      "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 STAGES_DIR = Path(__file__).resolve().parent
 _MAX_HEADER = 16 << 20
 
@@ -53,7 +58,8 @@ def set_stage_defaults() -> None:
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if k.startswith(IMPORT_TIME_PREFIXES) and not k.startswith(RUNTIME_ONLY_PREFIXES)}
 
 
 # --- the stage's side ------------------------------------------------------------------------------
@@ -65,6 +71,8 @@ def start_stage() -> None:
     status; otherwise return and let the stage import and run here."""
     set_stage_defaults()
     path = os.environ.get(ENV_KEY)
+    if os.environ.get(CHILD_KEY) == str(os.getpid()):
+        return   # this is the served child itself
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None)
     if not path or not script or Path(script).resolve().parent != STAGES_DIR:
@@ -76,7 +84,9 @@ def start_stage() -> None:
         return   # no server (yet): a cold start
     with conn:
         request = {"argv": sys.argv, "script": str(Path(script).resolve()), "cwd": os.getcwd(),
-                   "env": dict(os.environ), "executable": os.path.realpath(sys.executable)}
+                   "env": dict(os.environ), "executable": os.path.realpath(sys.executable),
+                   # `python -u` (torchrun starts its workers so) writes through
+                   "unbuffered": bool(getattr(sys.__stdout__, "write_through", False))}
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
         replies = conn.makefile("r")
         first = json.loads(replies.readline() or '{"refused": "the server closed the connection"}')
@@ -103,7 +113,8 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     frozen = import_time_env(before)
-    # what the imports themselves set (torch: TORCHINDUCTOR_CACHE_DIR), as they would in the stage
+    # what the imports themselves set (torch: TORCHINDUCTOR_CACHE_DIR), as they would in the stage; a
+    # stage started by a process that made those imports (torchrun's workers) has them already
     added = {k: v for k, v in os.environ.items() if k not in before}
     # A fork copies only the forking thread, so no Python thread may hold a lock meanwhile. (Native
     # pools, OpenBLAS's and Arrow's, handle forks, as they do for torch's DataLoader workers.)
@@ -154,13 +165,13 @@ def _handle(conn: socket.socket, frozen: dict[str, str], added: dict[str, str]) 
     reason = None
     if request["executable"] != os.path.realpath(sys.executable):
         reason = f"another interpreter ({request['executable']})"
-    elif import_time_env(request["env"]) != frozen:
-        theirs = import_time_env(request["env"])
+    elif (theirs := import_time_env({k: v for k, v in request["env"].items() if added.get(k) != v})) != frozen:
         differ = sorted(k for k in set(theirs) | set(frozen) if theirs.get(k) != frozen.get(k))
         reason = f"environment variables read at import time differ: {', '.join(differ)}"
     elif len(fds) != 3:
         reason = "standard streams not received"
     if reason is not None:
+        print(f"warm_start: {request['argv'][0]} starts cold: {reason}", file=sys.stderr, flush=True)
         conn.sendall(json.dumps({"refused": reason}).encode() + b"\n")
         return
     pid = os.fork()
@@ -174,9 +185,9 @@ def _handle(conn: socket.socket, frozen: dict[str, str], added: dict[str, str]) 
     conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
 
 
-def _stream(fd: int, mode: str, env: dict[str, str]) -> io.TextIOWrapper:
-    """A standard stream as a fresh interpreter would open it on `fd`."""
-    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+def _stream(fd: int, mode: str, env: dict[str, str], unbuffered: bool) -> io.TextIOWrapper:
+    """A standard stream as a fresh interpreter would open it on `fd` (`unbuffered`: `python -u`)."""
+    unbuffered = unbuffered or bool(env.get("PYTHONUNBUFFERED"))
     interactive = os.isatty(fd)
     binary = open(fd, mode + "b", buffering=0 if unbuffered and mode == "w" else -1, closefd=False)
     encoding = (env.get("PYTHONIOENCODING") or "utf-8").split(":")[0] or "utf-8"
@@ -197,15 +208,20 @@ def _run_stage(request: dict, fds: list[int], added: dict[str, str]) -> None:
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
                           else signal.SIG_IGN if sig == signal.SIGPIPE else signal.SIG_DFL)
         env = {**added, **request["env"]}
-        env.pop(ENV_KEY, None)   # processes this stage starts (torchrun workers) start cold
+        env[CHILD_KEY] = str(os.getpid())   # processes it starts (torchrun's workers) may be served too
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
-        sys.stdin, sys.stdout, sys.stderr = _stream(0, "r", env), _stream(1, "w", env), _stream(2, "w", env)
+        unbuffered = bool(request.get("unbuffered"))
+        sys.stdin, sys.stdout, sys.stderr = (_stream(0, "r", env, unbuffered), _stream(1, "w", env, unbuffered),
+                                             _stream(2, "w", env, unbuffered))
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
         sys.argv = list(request["argv"])
         sys.path[0] = str(Path(request["script"]).parent)
-        random.seed()
+        random.seed()   # fresh entropy, as a new interpreter has (torch's default seed is fixed anyway)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        importlib.invalidate_caches()   # files written since the server listed their folders
         try:
             _exec_main(request["script"])
             code = 0
@@ -220,6 +236,7 @@ def _run_stage(request: dict, fds: list[int], added: dict[str, str]) -> None:
         except BaseException:   # as the interpreter would: the traceback on stderr, status 1
             traceback.print_exc()
             code = 1
+        threading._shutdown()   # what the interpreter does at exit: join non-daemon threads, then atexit
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -243,7 +260,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("serve", help="import torch & co. once and serve stage starts on a Unix socket")
-    run.add_argument("--socket", required=True, help=f"the socket's path (stages find it in ${ENV_KEY})")
+    run.add_argument("--socket", required=True,
+                     help=f"the socket's path, in a folder only you can enter (stages find it in ${ENV_KEY})")
     args = parser.parse_args()
     serve(args.socket)
 

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # Tiny models gain nothing from intra-op threads and, on a shared machine, threads spin against each
 # other: one thread here and in every subprocess (DVC stages, torchrun workers, tune workers).
 os.environ.setdefault("OMP_NUM_THREADS", "1")

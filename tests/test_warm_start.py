@@ -23,9 +23,12 @@ start_stage()
 mode = sys.argv[1]
 if mode == "report":
     print(json.dumps({"warm": warm, "argv": sys.argv, "cwd": os.getcwd(), "probe": os.environ.get("PROBE"),
-                      "stdin": sys.stdin.read(), "served": "FEATCAL_WARM_STAGES" in os.environ, "pid": os.getpid()}))
+                      "stdin": sys.stdin.read(), "child": os.environ.get("FEATCAL_WARM_CHILD"), "pid": os.getpid()}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
+if mode == "nested":   # a stage that starts another
+    import subprocess
+    sys.exit(subprocess.run([sys.executable, "-u", "stages/probe.py", "report"]).returncode)
 if mode == "raise":
     raise ValueError("boom")
 if mode == "message":
@@ -75,8 +78,17 @@ def test_a_served_stage_gets_argv_cwd_environment_streams_and_its_exit_status(se
     assert report["warm"] is True   # ran in the server's fork
     assert report["argv"] == ["stages/probe.py", "report", "--flag"]
     assert report["cwd"] == str(root) and report["probe"] == "value" and report["stdin"] == "from stdin"
-    assert report["served"] is False   # processes it starts start cold
+    assert report["child"] == str(report["pid"])   # it knows it is served: it does not ask again
     assert done.stderr == "to stderr\n"
+
+
+def test_a_process_that_a_served_stage_starts_is_served_too(server):
+    """As torchrun's workers (`python -u <script>`), started by a stage that became torchrun."""
+    root, sock = server
+    done = probe(root, sock, "nested")
+    assert done.returncode == 3, done.stderr
+    report = json.loads(done.stdout)
+    assert report["warm"] is True and report["child"] == str(report["pid"])
 
 
 def test_without_a_server_or_with_another_import_time_environment_a_stage_runs_cold(server, tmp_path):
