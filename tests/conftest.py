@@ -6,7 +6,9 @@ the session fixture `tiny_project`, which tests never modify: `copy_project` giv
 its own copy (work tree, git history and DVC cache) to change. The project builds in the background
 while the other tests run (the tests that use it run last); FEATCAL_TESTS_SERIAL=1 builds it in
 the foreground instead. Under pytest-xdist (`make test` runs two workers) the first worker to start
-builds it and the others wait for that one build (`SharedBuild`).
+builds it and the others wait for that one build (`SharedBuild`). Every DVC stage the tests run
+forks from a server that has imported torch and transformers once (`warm_stage_starts`,
+stages/warm_start.py); FEATCAL_TESTS_COLD=1 starts each stage cold instead, as `make repro` does.
 """
 
 from __future__ import annotations
