@@ -77,30 +77,38 @@ def start_stage() -> None:
     script = getattr(main, "__file__", None)
     if not path or not script or Path(script).resolve().parent != STAGES_DIR:
         return   # not a stage script run as `python stages/<name>.py` (tests and benchmarks import common)
-    try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    request = {"argv": sys.argv, "script": str(Path(script).resolve()), "cwd": os.getcwd(),
+               "env": dict(os.environ), "executable": os.path.realpath(sys.executable),
+               # `python -u` (torchrun starts its workers so) writes through
+               "unbuffered": bool(getattr(sys.__stdout__, "write_through", False))}
+    if None in (sys.__stdin__, sys.__stdout__, sys.__stderr__):
+        return   # started with a standard stream closed: its fd may name another file now
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:   # until the server has started the child, anything amiss means a cold start here
         conn.connect(path)
-    except OSError:
-        return   # no server (yet): a cold start
-    with conn:
-        request = {"argv": sys.argv, "script": str(Path(script).resolve()), "cwd": os.getcwd(),
-                   "env": dict(os.environ), "executable": os.path.realpath(sys.executable),
-                   # `python -u` (torchrun starts its workers so) writes through
-                   "unbuffered": bool(getattr(sys.__stdout__, "write_through", False))}
         socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
         replies = conn.makefile("r")
         first = json.loads(replies.readline() or '{"refused": "the server closed the connection"}')
+    except (OSError, ValueError):
+        conn.close()
+        return
+    with conn:
         if "refused" in first:
             return
         child = int(first["pid"])
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda signum, _frame: os.kill(child, signum))
+            signal.signal(sig, lambda signum, _frame: _forward(child, signum))
         line = replies.readline()
     code = int(json.loads(line)["exit"]) if line else 1
     if code < 0:   # the child died of a signal: so does this process
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
+
+
+def _forward(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):   # it may have ended meanwhile
+        os.kill(pid, signum)
 
 
 # --- the server's side -----------------------------------------------------------------------------

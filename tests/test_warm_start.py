@@ -26,6 +26,9 @@ if mode == "report":
                       "stdin": sys.stdin.read(), "child": os.environ.get("FEATCAL_WARM_CHILD"), "pid": os.getpid()}))
     print("to stderr", file=sys.stderr)
     sys.exit(3)
+if mode == "where":
+    print(json.dumps({"warm": warm}))
+    sys.exit(0)
 if mode == "nested":   # a stage that starts another
     import subprocess
     sys.exit(subprocess.run([sys.executable, "-u", "stages/probe.py", "report"]).returncode)
@@ -97,6 +100,15 @@ def test_without_a_server_or_with_another_import_time_environment_a_stage_runs_c
         assert done.returncode == 3, done.stderr
         report = json.loads(done.stdout)
         assert report["warm"] is False and report["probe"] == "value"
+
+
+def test_a_stage_with_a_closed_standard_stream_runs_cold(server):
+    root, sock = server
+    environment = dict(os.environ, FEATCAL_WARM_STAGES=str(sock))
+    done = subprocess.run([sys.executable, "stages/probe.py", "where"], cwd=root, env=environment, capture_output=True,
+                          text=True, timeout=120, preexec_fn=lambda: os.close(0))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"warm": False}
 
 
 def test_a_served_stage_that_fails_reports_as_python_does(server):
