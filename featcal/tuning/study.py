@@ -24,7 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import optuna
@@ -32,9 +32,9 @@ import sqlalchemy
 import yaml
 from optuna.trial import FrozenTrial, Trial, TrialState
 
-from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
-from featcal.io.models import atomic_file
-from featcal.tuning.objective import SearchSpace, TuneProblem, make_objective
+if TYPE_CHECKING:   # torch comes with these: a worker that only shares a study does without
+    from featcal.calibration.config import FeatCalConfig
+    from featcal.tuning.objective import SearchSpace, TuneProblem
 
 log = logging.getLogger(__name__)
 
@@ -424,12 +424,16 @@ def best_values(study: optuna.Study, base: FeatCalConfig) -> dict[str, float]:
     """α, ρ, λ of the best complete trial; a hyperparameter not searched keeps its `base` value."""
     if not any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
         raise RuntimeError(f"study {study.study_name!r} has no complete trial yet")
+    from featcal.calibration.config import HYPER_KEYS
+
     params = study.best_trial.params
     return {k: float(params.get(k, getattr(base, k))) for k in HYPER_KEYS}
 
 
 def write_best(path: str | os.PathLike, study: optuna.Study, base: FeatCalConfig) -> dict:
     """Write `featcal: {alpha, rho, ridge}` (the best trial's values) plus where they came from."""
+    from featcal.io.models import atomic_file
+
     summary = summarize(study)
     doc = {"featcal": best_values(study, base),
            "study": {"name": study.study_name, "best_trial": summary["best"]["trial"],
@@ -491,6 +495,8 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
     enqueue = defaults if settings.enqueue_defaults and space.contains(defaults) else None
     if settings.enqueue_defaults and enqueue is None:
         log.warning("the FeatCal defaults %s lie outside the search space: not enqueued", defaults)
+    from featcal.tuning.objective import make_objective
+
     objective = make_objective(problem, space, base, settings.prune_after_layers)
     ran = run_trials(study, objective, n_trials, seed=settings.seed, startup_trials=settings.startup_trials,
                      lock=ClaimLock(storage, study_name), enqueue=enqueue)
