@@ -23,14 +23,24 @@ import sys
 import json
 import tempfile
 import threading
+import importlib.util
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+def _load_warm_start():
+    """stages/warm_start.py, without putting stages/ on sys.path (the stage modules stay unimported)."""
+    spec = importlib.util.spec_from_file_location("_warm_start", Path(__file__).parents[1] / "stages/warm_start.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+warm_start = _load_warm_start()
+# The stage environment's defaults (offline hub, ...) here too, before transformers is imported: a
+# warm server started from this process then matches what every stage sets for itself.
+warm_start.set_stage_defaults()
 # Tiny models gain nothing from intra-op threads and, on a shared machine, threads spin against each
 # other: one thread here and in every subprocess (DVC stages, torchrun workers, tune workers).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -52,7 +62,7 @@ DVC = [sys.executable, "-m", "dvc"]
 
 # FEATCAL_TESTS_COLD=1: every DVC stage process imports torch & co. itself, as under `make repro`.
 COLD = os.environ.get("FEATCAL_TESTS_COLD", "") not in ("", "0")
-WARM_ENV_KEY = "FEATCAL_WARM_STAGES"
+WARM_ENV_KEY = warm_start.ENV_KEY
 
 
 @pytest.fixture(autouse=True, scope="session")

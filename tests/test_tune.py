@@ -25,7 +25,7 @@ from featcal.tuning import objective
 from featcal.calibration.config import FeatCalConfig
 from featcal.data.encoders import TextEncoder
 from featcal.data.splits import TaskSplit
-from conftest import DVC, copy_project, stages_run
+from conftest import DVC, WARM_ENV_KEY, copy_project, stages_run
 from featcal.finetune import accuracy
 from pg_server import postgres_server
 from tiny_project import ROOT, run
@@ -281,7 +281,7 @@ def test_two_workers_share_one_postgres_study(project, postgres, tmp_path):
     cmd = [sys.executable, "stages/tune.py", "--storage", postgres.url, "--study-name", "shared",
            "--n-trials", "8"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.pop("FEATCAL_WARM_STAGES", None)   # cold processes: the trials' worker ids name these pids
+    env.pop(WARM_ENV_KEY, None)   # cold processes: the trials' worker ids name these pids
     workers = [subprocess.Popen(cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True) for _ in range(2)]
     outputs = [w.communicate(timeout=300)[0] for w in workers]
