@@ -44,16 +44,17 @@ warm_start.set_stage_defaults()
 # Tiny models gain nothing from intra-op threads and, on a shared machine, threads spin against each
 # other: one thread here and in every subprocess (DVC stages, torchrun workers, tune workers).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DVC's usage statistics: each dvc command would spawn a detached process that imports DVC again
+# and fails to reach the network (~0.7 s of CPU each, ~140 commands). The project's own .dvc/config
+# turns them off; the tests' fresh `dvc init` projects are told by the environment.
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 import yaml  # noqa: E402
-from transformers import BertConfig, BertForSequenceClassification, T5Config, T5ForSequenceClassification  # noqa: E402
 
-from tiny_project import copy_pipeline, init_repo, make_base, make_tasks, project_env, tiny_params  # noqa: E402
-
-torch.set_num_threads(1)
+# torch, transformers and tests/tiny_project.py are imported where they are used: under xdist the
+# controller process loads this file too, and importing them here held back every worker ~4 s.
 
 DVC = [sys.executable, "-m", "dvc"]
 
@@ -74,6 +75,7 @@ def warm_stage_starts():
     if COLD or WARM_ENV_KEY in os.environ:
         yield None
         return
+    from tiny_project import project_env
     folder = Path(tempfile.mkdtemp(prefix="featcal-warm-"))
     path = folder / "stages.sock"
     server = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "stages/warm_start.py"), "serve",
@@ -93,7 +95,8 @@ def warm_stage_starts():
 
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
-    """The pin above, kept for the whole session (a test that changes it gets it back)."""
+    """One intra-op thread for the whole session (a test that changes it gets it back)."""
+    import torch
     torch.set_num_threads(1)
     yield
 
@@ -105,6 +108,8 @@ def tiny_bert(seed: int = 0, layers: int = 2, *, vocab: int = 60, hidden: int = 
               positions: int = 32, num_labels: int = 2, dtype: torch.dtype | None = None,
               **config) -> BertForSequenceClassification:
     """A seeded random BERT sequence classifier (4 heads), in eval mode; `config`: more BertConfig keys."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                      intermediate_size=intermediate, num_labels=num_labels, max_position_embeddings=positions, **config)
@@ -115,6 +120,8 @@ def tiny_bert(seed: int = 0, layers: int = 2, *, vocab: int = 60, hidden: int = 
 def tiny_t5(seed: int = 0, encoder_layers: int = 2, decoder_layers: int = 2, *, vocab: int = 60,
             num_labels: int = 2) -> T5ForSequenceClassification:
     """A seeded random T5 sequence classifier (pad 0, EOS 1, the decoder starting from 0), in eval mode."""
+    import torch
+    from transformers import T5Config, T5ForSequenceClassification
     torch.manual_seed(seed)
     cfg = T5Config(vocab_size=vocab, d_model=16, d_kv=4, d_ff=32, num_layers=encoder_layers,
                    num_decoder_layers=decoder_layers, num_heads=4, relative_attention_num_buckets=8,
@@ -125,6 +132,7 @@ def tiny_t5(seed: int = 0, encoder_layers: int = 2, decoder_layers: int = 2, *, 
 
 def with_eos(batches: dict, eos: int = 1) -> dict:
     """`batches_for`'s batches with `eos` as each row's last real token, and nowhere else."""
+    import torch
     out = {}
     for task, task_batches in batches.items():
         out[task] = []
@@ -139,6 +147,7 @@ def perturbed(model, seed: int, scale: float = 0.1, *, num_labels: int | None = 
     """An 'expert': a copy of `model` with seeded Gaussian noise (× `scale`) on every backbone
     parameter (embeddings and pooler too; only the encoder's with `encoder_only`), optionally a new
     head with `num_labels` classes (BERT)."""
+    import torch
     out = copy.deepcopy(model)
     if num_labels is not None:
         out.config.num_labels = num_labels
@@ -152,6 +161,7 @@ def perturbed(model, seed: int, scale: float = 0.1, *, num_labels: int | None = 
 
 def batches_for(tasks, seed: int = 0, n_batches: int = 2, bs: int = 6, length: int = 9, vocab: int = 60):
     """Random token batches per task, two rows of each batch padded."""
+    import torch
     g = torch.Generator().manual_seed(seed)
     out = {}
     for t in tasks:
@@ -172,6 +182,7 @@ def save_models(root: Path, models: dict) -> None:
 
 def assert_same_state(a, b) -> None:
     """Two modules hold the same tensors, bit for bit, under the same names in the same order."""
+    import torch
     a, b = a.state_dict(), b.state_dict()
     assert list(a) == list(b)
     for name in a:
@@ -221,6 +232,7 @@ class TinyProjectBuild:
     """
 
     def __init__(self, root: Path, publish: Path | None = None):
+        from tiny_project import copy_pipeline, make_base, make_tasks, project_env, tiny_params
         self.root, self.project, self.publish = root, root / "project", publish
         self.env = project_env()
         copy_pipeline(self.project)
@@ -266,6 +278,7 @@ class TinyProjectBuild:
         return output
 
     def _build(self) -> None:
+        from tiny_project import init_repo
         try:
             init_repo(self.project, env=self.env)
             upstream_output = self._dvc("repro", "merge", "collect-expert-features")
@@ -317,9 +330,11 @@ def _uses_tiny_project(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests on the tiny project run last (in their order), so that the project builds while the
-    others run."""
-    items[:] = sorted(items, key=_uses_tiny_project)
+    """The tests on the tiny project run last, so that the project builds while the others run; in
+    each group the modules with `slow` tests first, so that two xdist workers do not end on one long
+    test each. Inside a module the order stays the file's (module-scoped projects are shared)."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    items[:] = sorted(items, key=lambda item: (_uses_tiny_project(item), item.module not in slow_modules))
 
 
 @pytest.fixture(autouse=True, scope="session")
