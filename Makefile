@@ -38,15 +38,17 @@ test: setup
 	bash tests/system_deps.sh
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 
+# DVC runs under stages/with_warm_stages.py: its stages fork from one interpreter that has imported
+# torch & co. (a plain `dvc repro` works as well, each stage importing them itself).
 repro: setup
 	$(PY) stages/gen_chain.py
-	.venv/bin/dvc repro
+	$(PY) stages/with_warm_stages.py .venv/bin/dvc repro
 
 # An experiment on the demo (after `make repro`): make exp SET=featcal.alpha=0.5 (any params key;
 # several: SET="featcal.alpha=0.5 featcal.rho=1.5"). Only the stages that depend on them re-run.
 exp: setup
 	@test -n "$(SET)" || { echo "usage: make exp SET=featcal.alpha=0.5  (any params.yaml key)" >&2; exit 2; }
-	.venv/bin/dvc exp run $(foreach s,$(SET),-S $(s))
+	$(PY) stages/with_warm_stages.py .venv/bin/dvc exp run $(foreach s,$(SET),-S $(s))
 
 # Each experiment's changed params and metrics side by side.
 metrics: setup

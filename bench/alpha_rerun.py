@@ -7,7 +7,9 @@ per checkpoint instead of loading every model. In one run this measures:
 (a) `dvc exp run -S featcal.alpha=<new>` from an up-to-date pipeline: wall time and the stages it
     ran. The workspace is restored afterwards (params.yaml, dvc.lock and results/ as they were,
     uncommitted changes included; the DVC-tracked outputs by `dvc checkout --force`) and the
-    experiment is removed from the experiment list unless --keep-exp;
+    experiment is removed from the experiment list unless --keep-exp; then the same through
+    `make exp` (DVC under stages/with_warm_stages.py: stages forked from a warm interpreter), whose
+    calibrated blocks must be byte-identical to the cold run's (`alpha_rerun_warm_over_inprocess`);
 (b) one in-process calibration of the same merged model with the new α (`featcal.calibration.calibrate.calibrate`)
     plus scoring the calibrated model on test; `alpha_rerun_over_inprocess` = (a) ÷ (b), goal <= 1.3;
 (c) the peak RSS of the largest calibrate-layer stage in that experiment ÷ the largest before the
@@ -19,7 +21,9 @@ The figures are merged into results/bench.json. Needs `make repro` first. Run: m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -28,7 +32,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))
@@ -137,12 +143,47 @@ def restore(saved: Path) -> None:
     dvc("checkout", "--force")
 
 
-def exp_run(alpha: float, log: Path) -> tuple[list[str], float, str | None]:
-    """`dvc exp run -S featcal.alpha=<alpha>`: the stages it ran (echoed as they start), its wall
-    seconds and the experiment's name; the whole output goes to `log`."""
-    stages, wall = run_dvc_logged(["exp", "run", "-S", f"featcal.alpha={alpha}"], log, env=project_env())
-    name = re.search(r"Ran experiment\(s\): (\S+)", log.read_text())
-    return stages, wall, name.group(1) if name else None
+@dataclass
+class Experiment:
+    """What one `dvc exp run` did and left in the workspace (read before the workspace is restored)."""
+    stages: list[str]
+    wall_s: float
+    name: str | None
+    peaks: dict[str, float]          # calibrate-layer stage: peak RSS (MiB), as the stages wrote it
+    test_avg: float | None
+    layers_sha256: dict[str, str]    # the calibrated blocks' files
+
+
+@contextlib.contextmanager
+def run_cache_set_aside(keep: Path) -> Iterator[None]:
+    """DVC's run cache moved to `keep` for the block and put back after it (what the block added
+    dropped): `dvc exp run` has no --no-run-cache, and stages whose inputs DVC has seen before (an
+    earlier run of this benchmark, or the cold run for the warm one) would be restored, not run.
+    The figure is what a new α costs."""
+    runs = Path(dvc("cache", "dir").stdout.strip()) / "runs"
+    if runs.exists():
+        shutil.move(runs, keep)
+    try:
+        yield
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+        if keep.exists():
+            shutil.move(keep, runs)
+
+
+def exp_run(alpha: float, log: Path, saved: Path, warm: bool) -> Experiment:
+    """`dvc exp run -S featcal.alpha=<alpha>` (`warm`: under stages/with_warm_stages.py, as
+    `make exp` runs it), then the workspace put back as `saved` holds it."""
+    try:
+        with run_cache_set_aside(saved.parent / "runs"):
+            stages, wall = run_dvc_logged(["exp", "run", "-S", f"featcal.alpha={alpha}"], log, env=project_env(),
+                                          warm=warm)
+        name = re.search(r"Ran experiment\(s\): (\S+)", log.read_text())
+        layers = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path("calib/layers").glob("*.safetensors"))}
+        return Experiment(stages, wall, name.group(1) if name else None, calibrate_stage_peaks(),
+                          read_metric("results/metrics.json", "featcal", "avg"), layers)
+    finally:
+        restore(saved)
 
 
 def calibrate_stage_peaks() -> dict[str, float]:
@@ -264,22 +305,22 @@ def main() -> None:
         raise SystemExit(f"alpha_rerun: featcal.alpha is already {args.alpha}; give another --alpha")
     require_up_to_date("before the experiment", "run `make repro` first")
 
-    print(f"(a) dvc exp run -S featcal.alpha={args.alpha} (params.yaml has {params['featcal']['alpha']})", flush=True)
+    runs: dict[str, Experiment] = {}
     with tempfile.TemporaryDirectory(prefix="featcal-alpha-rerun-") as tmp:
         saved = Path(tmp) / "saved"
         saved.mkdir()
         snapshot(saved)
-        try:
-            stages, exp_s, exp_name = exp_run(args.alpha, Path(tmp) / "exp.log")
-            peaks = calibrate_stage_peaks()              # read before the timing files are restored
-            exp_avg = read_metric("results/metrics.json", "featcal", "avg")
-        finally:
-            restore(saved)
-    if not args.keep_exp:
-        remove_experiment(exp_name)
-    require_up_to_date("after restoring the workspace", "the workspace was not restored exactly: "
-                       "run `git status` and `dvc checkout --force`")
-    print("    workspace restored; dvc status: up to date", flush=True)
+        for key, warm, how in (("cold", False, "dvc exp run"), ("warm", True, "make exp (stages/with_warm_stages.py)")):
+            print(f"(a, {key}) {how} -S featcal.alpha={args.alpha} (params.yaml has {params['featcal']['alpha']})", flush=True)
+            runs[key] = exp_run(args.alpha, Path(tmp) / f"exp-{key}.log", saved, warm)
+            if not args.keep_exp:
+                remove_experiment(runs[key].name)
+            require_up_to_date("after restoring the workspace", "the workspace was not restored exactly: "
+                               "run `git status` and `dvc checkout --force`")
+            print("    workspace restored; dvc status: up to date", flush=True)
+    cold, warm = runs["cold"], runs["warm"]
+    same_layers = cold.layers_sha256 == warm.layers_sha256 and bool(cold.layers_sha256)
+    stages, exp_s, peaks, exp_avg = cold.stages, cold.wall_s, cold.peaks, cold.test_avg
 
     print(f"(b) in-process calibration with alpha={args.alpha} + test scoring", flush=True)
     inproc = in_process(params, args.alpha)
@@ -296,11 +337,14 @@ def main() -> None:
           f"score {inproc['score']['wall_s']:.1f} s; peak RSS {inproc['score']['peak_rss_mib']:.0f} MiB")
     print(f"test avg: exp run {exp_avg}, in process {inproc['test_avg']}")
     print(f"alpha_rerun_over_inprocess {ratio:.2f} ({verdict(ratio, RATIO_GOAL)})")
+    print(f"make exp (warm stage starts): {warm.wall_s:.1f} s -> {warm.wall_s / inproc_s:.2f} of in process; "
+          f"calibrated blocks byte-identical to the cold run's: {same_layers}; test avg {warm.test_avg}")
     print(f"calibrate_stage_peak_rss_mib {peaks[largest]:.1f} ({largest}); before the rewrite {before_mib:.1f} "
           f"-> ratio {rss_ratio:.2f} ({verdict(rss_ratio, RSS_GOAL)})")
 
     merge_json(args.out, {
         "alpha_rerun_over_inprocess": round(ratio, 3),
+        "alpha_rerun_warm_over_inprocess": round(warm.wall_s / inproc_s, 3),
         "calibrate_stage_peak_rss_mib": peaks[largest],
         "calibrate_stage_peak_rss_ratio": round(rss_ratio, 3),
         "alpha_rerun": {
@@ -308,7 +352,10 @@ def main() -> None:
             "threads": inproc["threads"], "alpha": args.alpha, "exp_run_wall_s": round(exp_s, 2), "stages_run": stages,
             "in_process": inproc, "exp_run_test_avg": exp_avg, "calibrate_stage_peaks_mib": peaks,
             "largest_calibrate_stage": largest, "before_rewrite_peak_rss_mib": before_mib,
-            "before_rewrite_source": before_source, "goals": {"alpha_rerun_over_inprocess": RATIO_GOAL,
+            "before_rewrite_source": before_source,
+            "warm": {"command": "make exp (stages/with_warm_stages.py dvc exp run)", "exp_run_wall_s": round(warm.wall_s, 2),
+                     "stages_run": warm.stages, "test_avg": warm.test_avg,
+                     "calibrated_blocks_identical_to_cold": same_layers}, "goals": {"alpha_rerun_over_inprocess": RATIO_GOAL,
                                                               "calibrate_stage_peak_rss_ratio": RSS_GOAL},
         },
     })

@@ -11,7 +11,8 @@ differ), the stage runs as usual. Nothing of the project (featcal, stages) is im
 server, so each stage imports the project's code afresh. Whoever can open the socket runs code as
 its owner: keep it in a folder only you can enter (as tests/conftest.py does).
 
-The test suite runs its DVC projects this way (tests/conftest.py); `make repro` does not.
+`make repro` and `make exp` run DVC this way (stages/with_warm_stages.py), and so does the test suite
+(tests/conftest.py).
 """
 
 from __future__ import annotations

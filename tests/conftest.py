@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import json
-import tempfile
 import threading
 import importlib.util
 import time
@@ -29,15 +28,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
-def _load_warm_start():
-    """stages/warm_start.py, without putting stages/ on sys.path (the stage modules stay unimported)."""
-    spec = importlib.util.spec_from_file_location("_warm_start", Path(__file__).parents[1] / "stages/warm_start.py")
+def _load_stage_helper(name: str):
+    """stages/<name>.py, imported by path: stages/ stays off sys.path, so the stage modules
+    (whose import starts a stage) stay unimported."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / f"stages/{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-warm_start = _load_warm_start()
+warm_start = _load_stage_helper("warm_start")
+with_warm_stages = _load_stage_helper("with_warm_stages")   # imports warm_start by name: load it first
 # The stage environment's defaults (offline hub, ...) here too, before transformers is imported: a
 # warm server started from this process then matches what every stage sets for itself.
 warm_start.set_stage_defaults()
@@ -61,7 +63,7 @@ DVC = [sys.executable, "-m", "dvc"]
 
 # --- warm stage starts ----------------------------------------------------------------------------------
 
-# FEATCAL_TESTS_COLD=1: every DVC stage process imports torch & co. itself, as under `make repro`.
+# FEATCAL_TESTS_COLD=1: every DVC stage process imports torch & co. itself, as under a plain `dvc repro`.
 COLD = os.environ.get("FEATCAL_TESTS_COLD", "") not in ("", "0")
 WARM_ENV_KEY = warm_start.ENV_KEY
 
@@ -76,21 +78,13 @@ def warm_stage_starts():
         yield None
         return
     from tiny_project import project_env
-    folder = Path(tempfile.mkdtemp(prefix="featcal-warm-"))
-    path = folder / "stages.sock"
-    server = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "stages/warm_start.py"), "serve",
-                               "--socket", str(path)], env=project_env(), stdin=subprocess.DEVNULL)
-    os.environ[WARM_ENV_KEY] = str(path)
-    try:
-        yield path
-    finally:
-        os.environ.pop(WARM_ENV_KEY, None)
-        server.terminate()
+    # ready_s=0: the tests start while the server imports (`make repro` waits for it instead)
+    with with_warm_stages.serving(project_env(), ready_s=0) as path:
+        os.environ[WARM_ENV_KEY] = str(path)
         try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        shutil.rmtree(folder, ignore_errors=True)
+            yield path
+        finally:
+            os.environ.pop(WARM_ENV_KEY, None)
 
 
 @pytest.fixture(autouse=True, scope="session")

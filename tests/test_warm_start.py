@@ -8,11 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import with_warm_stages
 from tiny_project import ROOT
 
 PROBE = '''
@@ -50,18 +52,9 @@ def server(tmp_path_factory):
     stages.mkdir()
     shutil.copy(ROOT / "stages/warm_start.py", stages / "warm_start.py")
     (stages / "probe.py").write_text(PROBE)
-    sock = Path(f"/tmp/featcal-warm-test-{os.getpid()}.sock")
-    proc = subprocess.Popen([sys.executable, str(stages / "warm_start.py"), "serve", "--socket", str(sock)],
-                            env=dict(os.environ), stdin=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not sock.exists():
-        assert proc.poll() is None, "the server exited"
-        assert time.monotonic() < deadline, "no socket after 120 s"
-        time.sleep(0.1)
-    yield root, sock
-    proc.terminate()
-    proc.wait(timeout=10)
-    sock.unlink(missing_ok=True)
+    with with_warm_stages.serving(dict(os.environ), ready_s=120) as sock:
+        assert sock is not None, "the server did not come up in 120 s"
+        yield root, sock
 
 
 def probe(root: Path, sock: Path | None, *args: str, stdin: str = "", **env: str) -> subprocess.CompletedProcess:
@@ -83,6 +76,22 @@ def test_a_served_stage_gets_argv_cwd_environment_streams_and_its_exit_status(se
     assert report["cwd"] == str(root) and report["probe"] == "value" and report["stdin"] == "from stdin"
     assert report["child"] == str(report["pid"])   # it knows it is served: it does not ask again
     assert done.stderr == "to stderr\n"
+
+
+def test_a_command_under_with_warm_stages_has_its_stages_served_and_exits_with_their_status(server):
+    """stages/with_warm_stages.py, which `make repro` and `make exp` run DVC under: a server of its own
+    for the command's stages, their exit status passed on, nothing left behind."""
+    root, _ = server
+    folder = Path(tempfile.mkdtemp(prefix="tmp-", dir="/tmp"))   # TMPDIR for the server's folder (short: a socket path)
+    environment = dict(os.environ, PROBE="value", TMPDIR=str(folder))
+    environment.pop("FEATCAL_WARM_STAGES", None)
+    done = subprocess.run([sys.executable, str(ROOT / "stages/with_warm_stages.py"), sys.executable, "stages/probe.py",
+                           "report"], cwd=root, env=environment, input="", capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    report = json.loads(done.stdout)
+    assert report["warm"] is True and report["child"] == str(report["pid"])
+    assert list(folder.iterdir()) == []   # the server stopped and its socket folder is gone
+    folder.rmdir()
 
 
 def test_a_process_that_a_served_stage_starts_is_served_too(server):

@@ -216,13 +216,16 @@ def make_project(root: Path, params: dict | None = None) -> Path:
     return project
 
 
-def run_dvc_logged(args: list[str], log: Path, cwd: Path | None = None, env: dict | None = None) -> tuple[list[str], float]:
+def run_dvc_logged(args: list[str], log: Path, cwd: Path | None = None, env: dict | None = None,
+                   warm: bool = False) -> tuple[list[str], float]:
     """`python -m dvc <args>` with its whole output in `log`; echoes each stage as it starts and
-    returns the stages run, in order, and the wall seconds. A failure exits naming the log."""
+    returns the stages run, in order, and the wall seconds. A failure exits naming the log. `warm`:
+    under stages/with_warm_stages.py, as `make repro` and `make exp` run DVC (its start counted)."""
     start = time.perf_counter()
     stages: list[str] = []
+    served = [sys.executable, str(ROOT / "stages/with_warm_stages.py")] if warm else []
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=cwd, env=env or project_env(),
+        proc = subprocess.Popen([*served, sys.executable, "-m", "dvc", *args], cwd=cwd, env=env or project_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             out.write(line)
