@@ -10,6 +10,8 @@ export TOKENIZERS_PARALLELISM := false
 # Progress bars refresh in place on a terminal; into a file (CI, `make repro > log`) at most every
 # 30 s, so a bar is a few lines, not one per refresh. transformers' per-load bars are off.
 export TQDM_MININTERVAL := $(shell [ -t 2 ] && echo 0.1 || echo 30)
+# (tqdm's monitor thread would otherwise redraw a slow bar every maxinterval, 10 s by default)
+export TQDM_MAXINTERVAL := $(shell [ -t 2 ] && echo 10 || echo 30)
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 # Stage commands say `python`: the project's virtualenv comes first.
 export PATH := $(CURDIR)/.venv/bin:$(PATH)

@@ -63,6 +63,7 @@ def test_without_dev_the_log_has_the_loss_only(tmp_path):
 
 def test_into_a_file_the_progress_bar_writes_a_few_lines_not_one_per_step(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TQDM_MININTERVAL", "30")     # what the Makefile sets when stderr is not a terminal
+    monkeypatch.setenv("TQDM_MAXINTERVAL", "30")     # (else a slow step on a loaded machine is redrawn every 10 s)
     model, tokenizer = model_and_tokenizer(tmp_path / "base")
     finetune(model, tokenizer, split("train", 64, 0), FinetuneConfig(epochs=1, batch_size=8, max_length=16))
     writes = capsys.readouterr().err.count("finetune toy")
