@@ -353,10 +353,10 @@ def main() -> None:
             "in_process": inproc, "exp_run_test_avg": exp_avg, "calibrate_stage_peaks_mib": peaks,
             "largest_calibrate_stage": largest, "before_rewrite_peak_rss_mib": before_mib,
             "before_rewrite_source": before_source,
-            "warm": {"command": "make exp (stages/with_warm_stages.py dvc exp run)", "exp_run_wall_s": round(warm.wall_s, 2),
-                     "stages_run": warm.stages, "test_avg": warm.test_avg,
-                     "calibrated_blocks_identical_to_cold": same_layers}, "goals": {"alpha_rerun_over_inprocess": RATIO_GOAL,
-                                                              "calibrate_stage_peak_rss_ratio": RSS_GOAL},
+            "warm": {"command": "make exp (stages/with_warm_stages.py dvc exp run)",
+                     "exp_run_wall_s": round(warm.wall_s, 2), "stages_run": warm.stages, "test_avg": warm.test_avg,
+                     "calibrated_blocks_identical_to_cold": same_layers},
+            "goals": {"alpha_rerun_over_inprocess": RATIO_GOAL, "calibrate_stage_peak_rss_ratio": RSS_GOAL},
         },
     })
     print(f"wrote {args.out}")

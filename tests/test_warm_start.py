@@ -85,13 +85,16 @@ def test_a_command_under_with_warm_stages_has_its_stages_served_and_exits_with_t
     folder = Path(tempfile.mkdtemp(prefix="tmp-", dir="/tmp"))   # TMPDIR for the server's folder (short: a socket path)
     environment = dict(os.environ, PROBE="value", TMPDIR=str(folder))
     environment.pop("FEATCAL_WARM_STAGES", None)
-    done = subprocess.run([sys.executable, str(ROOT / "stages/with_warm_stages.py"), sys.executable, "stages/probe.py",
-                           "report"], cwd=root, env=environment, input="", capture_output=True, text=True, timeout=120)
-    assert done.returncode == 3, done.stderr
-    report = json.loads(done.stdout)
-    assert report["warm"] is True and report["child"] == str(report["pid"])
-    assert list(folder.iterdir()) == []   # the server stopped and its socket folder is gone
-    folder.rmdir()
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "stages/with_warm_stages.py"), sys.executable,
+                               "stages/probe.py", "report"], cwd=root, env=environment, input="", capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 3, done.stderr
+        report = json.loads(done.stdout)
+        assert report["warm"] is True and report["child"] == str(report["pid"])
+        assert list(folder.iterdir()) == []   # the server stopped and its socket folder is gone
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_process_that_a_served_stage_starts_is_served_too(server):
