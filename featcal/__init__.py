@@ -9,6 +9,27 @@ fine-tunes an expert, say) runs none of the others.
 from __future__ import annotations
 
 import importlib
+import sys
+from typing import Callable, Mapping
+
+
+def _lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """`__getattr__` and `__dir__` (PEP 562) for `package`, whose name `n` lives in the module
+    `exports[n]`: imported on first use, then kept in the package's namespace."""
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(exports[name]), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(exports))
+
+    return __getattr__, __dir__
+
 
 _EXPORTS = {
     "merge_models": "featcal.merging.in_memory",
@@ -24,15 +45,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'featcal' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)

@@ -78,12 +78,12 @@ def start_stage() -> None:
     script = getattr(main, "__file__", None)
     if not path or not script or Path(script).resolve().parent != STAGES_DIR:
         return   # not a stage script run as `python stages/<name>.py` (tests and benchmarks import common)
+    if None in (sys.__stdin__, sys.__stdout__, sys.__stderr__):
+        return   # started with a standard stream closed: its fd may name another file now
     request = {"argv": sys.argv, "script": str(Path(script).resolve()), "cwd": os.getcwd(),
                "env": dict(os.environ), "executable": os.path.realpath(sys.executable),
                # `python -u` (torchrun starts its workers so) writes through
                "unbuffered": bool(getattr(sys.__stdout__, "write_through", False))}
-    if None in (sys.__stdin__, sys.__stdout__, sys.__stderr__):
-        return   # started with a standard stream closed: its fd may name another file now
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:   # until the server has started the child, anything amiss means a cold start here
         conn.connect(path)

@@ -4,20 +4,15 @@ plumbing that stores, shares and resumes trials (`study`).
 Names load from their module on first use, so a process that only shares a study (a worker that
 claims trials) imports optuna, not torch."""
 
-import importlib
+from featcal import _lazy_exports
 
 _FROM = {
     **dict.fromkeys(("DevSplit", "Range", "SearchSpace", "TuneProblem", "drop_calibration_overlap", "load_problem",
-                     "make_objective"), "objective"),
+                     "make_objective"), "featcal.tuning.objective"),
     **dict.fromkeys(("DEFAULT_STUDY", "ClaimLock", "StudyMismatchError", "StudySettings", "StudyStorageError",
                      "TuneOutcome", "best_values", "copy_to_sqlite", "count_trials", "make_storage", "open_study",
-                     "run_trials", "snapshot_to_sqlite", "summarize", "tune", "write_best"), "study"),
+                     "run_trials", "snapshot_to_sqlite", "summarize", "tune", "write_best"), "featcal.tuning.study"),
 }
 
 __all__ = sorted(_FROM)
-
-
-def __getattr__(name: str):
-    if name not in _FROM:
-        raise AttributeError(f"module 'featcal.tuning' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"featcal.tuning.{_FROM[name]}"), name)
+__getattr__, __dir__ = _lazy_exports(__name__, _FROM)
