@@ -216,8 +216,10 @@ def reference(project: Path, layer: int) -> dict:
     batches = batches_from_arrays(read_group(project / "features/experts/inputs.zarr"),
                                   int(params["calibration"]["batch_size"]))
     entry = {t: [family.enter(student, b) for b in batches[t]] for t in tasks}
-    student_in = entry if layer == 0 else split_like(read_group(project / f"calib/student/layer_{layer:02d}.zarr"), entry)
-    states = CachedExpertStates(lambda k: read_group(project / f"features/experts/layer_{k:02d}.zarr"))
+    student_in = entry if layer == 0 else split_like(
+        family, layer, read_group(project / f"calib/student/layer_{layer:02d}.zarr"), entry, {t: student for t in entry})
+    del entry
+    states = CachedExpertStates(family, lambda k: read_group(project / f"features/experts/layer_{k:02d}.zarr"))
     walk(family, student, weights, student_in, states, FeatCalConfig.from_mapping(params["featcal"]),
          start=layer, stop=layer + 1, progress=False)
     t_end = time.perf_counter()

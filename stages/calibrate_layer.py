@@ -21,6 +21,7 @@ from featcal.data.splits import batches_from_arrays
 from featcal.calibration.layerwise import calibrate_cached_layer
 from featcal.calibration.walk import states_of
 from featcal.io.models import atomic_file, check_finite
+from featcal.profiling import trim_heap
 from featcal.calibration.moments import pack_moments
 from featcal.calibration.solve import ILL_CONDITIONED
 from featcal.io.feature_store import StoreFormat, read_group, write_group
@@ -66,16 +67,22 @@ def main() -> None:
             lambda layer: states(f"{args.features}/layer_{layer:02d}.zarr"), config,
             reduce_moments=distributed.AllReduceMoments(tasks), reduce_sums=distributed.all_reduce_sums,
         )
+        del student   # held by the walk's streams until now
         student_next = distributed.gather_examples(out.student_next, batch_size)
+        out.student_next = {}
         if distributed.is_main():
             check_finite(out.parameters, f"refusing to write {args.layer_out}")
             check_finite(student_next, f"refusing to write {args.student_out}")
             with atomic_file(args.layer_out) as tmp:
                 save_file(out.parameters, tmp)
-            packed, layout = pack_moments(out.moments)
-            write_group(args.moments_out, packed, {"layer": k, **layout})
+            # each output written and dropped in turn, so the stage's peak is the walk's, not the writes'
             write_group(args.student_out, student_next,
                         {"layer": k + 1, "drift_l2": out.drift.l2, "drift_cosine": out.drift.cosine}, fmt=fmt)
+            del student_next
+            trim_heap()
+            packed, layout = pack_moments(out.moments, release=True)
+            trim_heap()
+            write_group(args.moments_out, packed, {"layer": k, **layout})
     main_process, world = distributed.is_main(), distributed.world_size()
     distributed.shutdown()
     bad = [r.module for r in out.reports if r.condition is not None and r.condition > ILL_CONDITIONED]

@@ -59,6 +59,10 @@ def test_packed_moments_round_trip_exactly():
     moments["LayerNorm"] = {"a": norm, "b": NormMoments().merge(norm)}
     packed, meta = pack_moments(moments)
     assert len(packed) == 7  # one array per moment field, whatever the number of modules and tasks
+    consumed = {m: dict(per_task) for m, per_task in moments.items()}
+    released, released_meta = pack_moments(consumed, release=True)   # what the calibrate stage writes
+    assert consumed == {} and released_meta == meta
+    assert all(torch.equal(released[name], packed[name]) for name in packed)
     back = unpack_moments(packed, meta)
     for module, per_task in moments.items():
         for task, m in per_task.items():

@@ -60,6 +60,27 @@ def test_solve_matches_weighted_lstsq():
     assert report.method == "cholesky"
 
 
+def test_normal_equations_from_a_generator_equal_the_listed_solve_bit_for_bit():
+    """What solve_modules does: one task's (G_i, W_i C_i) alive at a time, ω_i computed on the way."""
+    tasks, w_anc, _ = random_tasks(n_tasks=4, seed=5)
+    stats = [moments_of(t, 0.3) for t in tasks]
+    grams = [s.gram for s in stats]
+    targets = [s.target_product(t["w"], 0.3) for s, t in zip(stats, tasks)]
+    listed, _ = solve.solve_linear_targets(grams, targets, w_anc, 0.05, solve.task_weights(grams))
+    alive = []
+
+    def pairs():
+        for s, t in zip(stats, tasks):
+            alive.append(len(alive))
+            yield s.gram, s.target_product(t["w"], 0.3)
+
+    lhs, rhs, omegas = solve.normal_equations(pairs(), w_anc, 0.05)
+    streamed, _ = solve.solve_normal_equations(lhs, rhs)
+    assert alive == [0, 1, 2, 3]
+    assert torch.equal(omegas, solve.task_weights(grams))
+    assert torch.equal(streamed, listed)
+
+
 def test_bias_matches_per_channel_lstsq():
     alpha, ridge = 0.4, 0.1
     tasks, w_anc, b_anc = random_tasks(seed=1)

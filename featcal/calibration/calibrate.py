@@ -21,7 +21,7 @@ from featcal.calibration import solve
 from featcal.families import Family, Stream, family_for, module_kind
 from featcal.calibration.config import FeatCalConfig, LayerHyper
 from featcal.calibration.moments import LinearMoments, Moments, NormMoments
-from featcal.profiling import phase
+from featcal.profiling import phase, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +197,13 @@ def solve_modules(
         mods = [experts[t][name] for t in tasks]
         stats = [per_task[t] for t in tasks]
         if kind == "linear":
-            grams = [m.gram for m in stats]
-            omegas = solve.task_weights(grams)
             w_anc = solve.anchor(module.weight, base[name].weight, hyper.rho)
-            weight, rep = solve.solve_linear_targets(
-                grams, [m.target_product(e.weight, hyper.alpha) for m, e in zip(stats, mods)], w_anc,
-                hyper.ridge, omegas, name=prefix + name,
+            # one task's G_i at a time: a wide module's Grams are the block's largest transients
+            lhs, rhs, omegas = solve.normal_equations(
+                ((m.gram, m.target_product(e.weight, hyper.alpha)) for m, e in zip(stats, mods)), w_anc, hyper.ridge,
             )
+            weight, rep = solve.solve_normal_equations(lhs, rhs, name=prefix + name)
+            del lhs, rhs
             updates[f"{name}.weight"] = weight
             reports.append(ModuleReport(prefix + name, kind, rep.condition, rep.method))
             if module.bias is not None and config.calibrate_bias:
@@ -336,12 +336,14 @@ def calibrate_block(
         with phase("reduce across processes"):
             moments = reduce_moments(moments, modules)
     expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
+    trim_heap()   # the capture's per-batch buffers, before the solve's temporaries
     with phase("solve"):
         updates, reports = solve_modules(
             modules, family.calibrated_modules(base_block), expert_modules, moments,
             config.for_layer(index), config, prefix=f"block {index}: ",
         )
         apply_updates(block, updates)
+    trim_heap()
     with phase("advance forwards"):
         student_next = {
             t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()

@@ -97,6 +97,7 @@ def calibrate_cached_layer(
     entry = enter_streams(family, student.module, batches)
     student_in = entry if student_states is None else split_like(
         family, index, student_states, entry, {t: student.module for t in entry})
+    del entry   # past block 0 only its masks were needed: its embeddings would be held all along
     moments: dict[str, dict[str, Moments]] = {}
     result = walk(family, student.module, weights, student_in, CachedExpertStates(family, expert_states), config,
                   start=index, stop=index + 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,

@@ -181,20 +181,32 @@ def moments_from_arrays(kind: str, arrays: dict[str, Tensor]) -> Moments:
     return cls(**{k: torch.as_tensor(v, dtype=torch.float64) for k, v in arrays.items()})
 
 
-def pack_moments(moments: dict[str, dict[str, Moments]]) -> tuple[dict[str, Tensor], dict]:
+def pack_moments(moments: dict[str, dict[str, Moments]], release: bool = False) -> tuple[dict[str, Tensor], dict]:
     """One [tasks, total] float64 array per moment field (all modules' sums flattened side by
-    side) plus the layout to undo it: a layer's moments become a handful of arrays, not hundreds."""
+    side) plus the layout to undo it: a layer's moments become a handful of arrays, not hundreds.
+
+    The arrays are allocated once and filled module by module; `release` empties `moments` as it
+    goes, so packing a layer's sums costs one (module, task)'s sums on top, not a second layer."""
     tasks = sorted({t for per_task in moments.values() for t in per_task})
-    columns: dict[str, list[Tensor]] = {}
+    totals: dict[str, int] = {}
     layout: dict[str, list] = {}
     for module, per_task in moments.items():
         kind = "linear" if isinstance(next(iter(per_task.values())), LinearMoments) else "norm"
-        arrays = {t: moments_to_arrays(per_task[t]) for t in tasks}
-        for name, value in arrays[tasks[0]].items():
-            offset = sum(c.shape[1] for c in columns.get(name, []))
-            columns.setdefault(name, []).append(torch.stack([arrays[t][name].reshape(-1) for t in tasks]))
-            layout.setdefault(name, []).append([module, kind, offset, list(value.shape)])
-    packed = {name: torch.cat(cols, dim=1) for name, cols in columns.items()}
+        for name, value in moments_to_arrays(per_task[tasks[0]]).items():
+            layout.setdefault(name, []).append([module, kind, totals.get(name, 0), list(value.shape)])
+            totals[name] = totals.get(name, 0) + value.numel()
+    packed = {name: torch.empty(len(tasks), total, dtype=torch.float64) for name, total in totals.items()}
+    offsets = {name: {entry[0]: entry[2] for entry in entries} for name, entries in layout.items()}
+    for module in list(moments):
+        per_task = moments[module]
+        for i, task in enumerate(tasks):
+            for name, value in moments_to_arrays(per_task[task]).items():
+                start = offsets[name][module]
+                packed[name][i, start:start + value.numel()] = value.reshape(-1)
+            if release:
+                del per_task[task]
+        if release:
+            del moments[module]
     return packed, {"tasks": tasks, "layout": layout}
 
 

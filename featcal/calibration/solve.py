@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -116,14 +116,30 @@ def solve_linear_targets(
     name: str = "",
 ) -> tuple[Tensor, SolveReport]:
     """`solve_linear_weight` given each task's W_i C_i (m, d) instead of its cross moment."""
-    if omegas is None:
-        omegas = task_weights(grams)
+    lhs, rhs, _ = normal_equations(zip(grams, targets), anchor, ridge, omegas)
+    return solve_normal_equations(lhs, rhs, name)
+
+
+def normal_equations(
+    tasks: Iterable[tuple[Tensor, Tensor]], anchor: Tensor, ridge: float, omegas: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Σ_i ω_i G_i + λ I and Σ_i ω_i W_i C_i + λ W_anc from (G_i, W_i C_i) pairs, and the ω_i
+    (`task_weights`' unless given). Pairs are consumed one at a time, so a lazy iterable holds one
+    task's d × d Gram at a time, not every task's."""
     d = anchor.shape[1]
     lhs = ridge * torch.eye(d, dtype=torch.float64, device=anchor.device)
     rhs = ridge * anchor.to(torch.float64)
-    for w, g, t in zip(omegas, grams, targets):
+    used = []
+    for i, (g, t) in enumerate(tasks):
+        w = omegas[i] if omegas is not None else task_weights([g])[0]
         lhs = lhs + w * g
         rhs = rhs + w * t
+        used.append(w)
+    return lhs, rhs, torch.stack(used)
+
+
+def solve_normal_equations(lhs: Tensor, rhs: Tensor, name: str = "") -> tuple[Tensor, SolveReport]:
+    """W* from `normal_equations`' (lhs, rhs): W* lhs = rhs."""
     solution_t, report = spd_solve(lhs, rhs.T, name)
     return solution_t.T.contiguous(), report
 
