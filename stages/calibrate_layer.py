@@ -82,7 +82,7 @@ def main() -> None:
             trim_heap()
             packed, layout = pack_moments(out.moments, release=True)
             trim_heap()
-            write_group(args.moments_out, packed, {"layer": k, **layout})
+            write_group(args.moments_out, packed, {"layer": k, **layout}, chunk_rows=1)   # a task a chunk: encoded side by side
     main_process, world = distributed.is_main(), distributed.world_size()
     distributed.shutdown()
     bad = [r.module for r in out.reports if r.condition is not None and r.condition > ILL_CONDITIONED]
