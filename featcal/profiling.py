@@ -32,9 +32,9 @@ def trim_heap() -> None:
     """Hand the heap's free pages back to the OS.
 
     glibc keeps freed blocks below its (self-raising, up to 32 MiB) mmap threshold in the heap, so
-    a block's per-task moment buffers and solve temporaries, once freed, still count in the RSS and
-    stack up under the next phase's: measured on the demo's calibrate-layer stage, ~100-300 MiB of
-    its peak. Called between a block's phases; costs milliseconds, changes no result."""
+    memory a process freed still counts in its RSS and stacks up under what it allocates next. The
+    calibrate-layer stage calls this between writing its outputs. Not for hot loops: the pages it
+    returns fault back in when reused (inside the walk, a trim per block cost ~5% of the time)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from featcal.calibration import solve
 from featcal.families import Family, Stream, family_for, module_kind
 from featcal.calibration.config import FeatCalConfig, LayerHyper
 from featcal.calibration.moments import LinearMoments, Moments, NormMoments
-from featcal.profiling import phase, trim_heap
+from featcal.profiling import phase
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def solve_modules(
             w_anc = solve.anchor(module.weight, base[name].weight, hyper.rho)
             # one task's G_i at a time: a wide module's Grams are the block's largest transients
             lhs, rhs, omegas = solve.normal_equations(
-                ((m.gram, m.target_product(e.weight, hyper.alpha)) for m, e in zip(stats, mods)), w_anc, hyper.ridge,
+                (gram_and_target(m, e.weight, hyper.alpha) for m, e in zip(stats, mods)), w_anc, hyper.ridge,
             )
             weight, rep = solve.solve_normal_equations(lhs, rhs, name=prefix + name)
             del lhs, rhs
@@ -230,6 +230,12 @@ def solve_modules(
             )
             reports.append(ModuleReport(prefix + name, kind))
     return updates, reports
+
+
+def gram_and_target(moments: LinearMoments, expert_weight: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
+    """(G_i, W_i C_i) of one task, G_i formed once."""
+    gram = moments.gram
+    return gram, moments.target_product(expert_weight, alpha, gram)
 
 
 @torch.no_grad()
@@ -295,7 +301,7 @@ def calibrate_block(
     base_backbone: nn.Module,
     expert_backbones: Mapping[str, nn.Module],
     student_streams: Mapping[str, Sequence[Stream]],
-    expert_streams: Mapping[str, Sequence[Stream]],
+    expert_streams: MutableMapping[str, Sequence[Stream]],
     config: FeatCalConfig,
     last: bool,
     reduce_moments: MomentReducer | None = None,
@@ -303,8 +309,10 @@ def calibrate_block(
 ) -> BlockResult:
     """Calibrate block `index` of the student backbone in place, and advance both streams.
 
-    With `reduce_moments` (data-parallel runs), the per-block moment sums are reduced over
-    processes before the solve, and a task may have no local batch on this process.
+    `expert_streams` is consumed: each task's entry is taken out once its moments are gathered, so
+    the experts' block inputs are not held through the solve. With `reduce_moments` (data-parallel
+    runs), the per-block moment sums are reduced over processes before the solve, and a task may
+    have no local batch on this process.
     """
     block = family.blocks(student_backbone)[index]
     base_block = family.blocks(base_backbone)[index]
@@ -320,7 +328,7 @@ def calibrate_block(
             raise ValueError(f"block {index}: task {task!r} has no calibration batches")
         per_task: dict[str, Moments] = {}
         expert_next[task] = []
-        for s, e in zip(streams, expert_streams[task], strict=True):
+        for s, e in zip(streams, expert_streams.pop(task), strict=True):
             with phase("capture forwards"):
                 xs, _ = run_capturing(family, student_backbone, index, block, modules, s)
                 xe, e_out = run_capturing(family, expert_backbones[task], index, expert_blocks[task], modules, e,
@@ -336,14 +344,12 @@ def calibrate_block(
         with phase("reduce across processes"):
             moments = reduce_moments(moments, modules)
     expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
-    trim_heap()   # the capture's per-batch buffers, before the solve's temporaries
     with phase("solve"):
         updates, reports = solve_modules(
             modules, family.calibrated_modules(base_block), expert_modules, moments,
             config.for_layer(index), config, prefix=f"block {index}: ",
         )
         apply_updates(block, updates)
-    trim_heap()
     with phase("advance forwards"):
         student_next = {
             t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()
@@ -370,7 +376,7 @@ def calibrate_pooler(
     moments: dict[str, Moments] = {}
     for task, streams in student_streams.items():
         moments[task] = LinearMoments()
-        for s, e in zip(streams, expert_streams[task], strict=True):
+        for s, e in zip(streams, expert_streams.pop(task), strict=True):
             accumulate_pooled_moments(s, e, moments[task], family, student_backbone)
     name = "dense"
     all_moments = {name: moments}

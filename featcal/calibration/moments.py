@@ -114,11 +114,12 @@ class LinearMoments:
             raise ValueError("these moments keep the projected cross W_e K only; use target_product")
         return self.cross / self.count
 
-    def target_product(self, expert_weight: Tensor, alpha: float) -> Tensor:
-        """W_e C = α W_e K + (1−α) W_e G: what the solve needs of the cross (out × in)."""
+    def target_product(self, expert_weight: Tensor, alpha: float, gram: Tensor | None = None) -> Tensor:
+        """W_e C = α W_e K + (1−α) W_e G: what the solve needs of the cross (out × in).
+        `gram`: `self.gram` when the caller holds it already (it is not formed twice)."""
         w = expert_weight.to(device=self.student_gram.device, dtype=torch.float64)
         wk = self.projected_cross / self.count if self.projected_cross is not None else w @ self.cross_mean
-        return alpha * wk + (1.0 - alpha) * (w @ self.gram)
+        return alpha * wk + (1.0 - alpha) * (w @ (self.gram if gram is None else gram))
 
     @property
     def student_mean(self) -> Tensor:

@@ -132,8 +132,8 @@ def normal_equations(
     used = []
     for i, (g, t) in enumerate(tasks):
         w = omegas[i] if omegas is not None else task_weights([g])[0]
-        lhs = lhs + w * g
-        rhs = rhs + w * t
+        lhs += w * g
+        rhs += w * t
         used.append(w)
     return lhs, rhs, torch.stack(used)
 

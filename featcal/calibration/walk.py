@@ -34,7 +34,7 @@ from featcal.calibration.calibrate import (
 from featcal.calibration.config import FeatCalConfig, resolve_device
 from featcal.families import Family, Stream
 from featcal.families.base import to_device
-from featcal.profiling import phase, trim_heap
+from featcal.profiling import phase
 
 Streams = dict[str, list[Stream]]
 Batches = Mapping[str, Sequence[Mapping[str, Tensor]]]
@@ -246,7 +246,6 @@ def walk(
         out.drift.append(result.drift)
         out.reports.extend(result.reports)
         del result  # this block's moments are not kept while the next block gathers its own
-        trim_heap()
     if stop == n_blocks and config.calibrate_pooler and family.pooler(student) is not None:
         with weights.pooler() as (base_bb, expert_bbs):
             expert_final = experts.at(n_blocks, out.student, expert_bbs)
