@@ -33,8 +33,9 @@ def trim_heap() -> None:
 
     glibc keeps freed blocks below its (self-raising, up to 32 MiB) mmap threshold in the heap, so
     memory a process freed still counts in its RSS and stacks up under what it allocates next. The
-    calibrate-layer stage calls this between writing its outputs. Not for hot loops: the pages it
-    returns fault back in when reused (inside the walk, a trim per block cost ~5% of the time)."""
+    calibrate-layer stage trims around its block's solve and between writing its outputs. Not for
+    hot loops: the pages it returns fault back in when reused (three trims a block cost an in-process
+    calibration of the demo ~5% of its time)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -21,7 +21,7 @@ from featcal.calibration import solve
 from featcal.families import Family, Stream, family_for, module_kind
 from featcal.calibration.config import FeatCalConfig, LayerHyper
 from featcal.calibration.moments import LinearMoments, Moments, NormMoments
-from featcal.profiling import phase
+from featcal.profiling import phase, trim_heap
 
 log = logging.getLogger(__name__)
 
@@ -306,13 +306,16 @@ def calibrate_block(
     last: bool,
     reduce_moments: MomentReducer | None = None,
     reduce_sums: SumReducer | None = None,
+    release_memory: bool = False,
 ) -> BlockResult:
     """Calibrate block `index` of the student backbone in place, and advance both streams.
 
     `expert_streams` is consumed: each task's entry is taken out once its moments are gathered, so
     the experts' block inputs are not held through the solve. With `reduce_moments` (data-parallel
     runs), the per-block moment sums are reduced over processes before the solve, and a task may
-    have no local batch on this process.
+    have no local batch on this process. `release_memory` hands the heap's freed pages back to the
+    OS before and after the solve (`featcal.profiling.trim_heap`): a lower peak RSS for a process
+    that walks one block, at ~0.1 s a trim in pages faulted back in.
     """
     block = family.blocks(student_backbone)[index]
     base_block = family.blocks(base_backbone)[index]
@@ -344,12 +347,16 @@ def calibrate_block(
         with phase("reduce across processes"):
             moments = reduce_moments(moments, modules)
     expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
+    if release_memory:
+        trim_heap()
     with phase("solve"):
         updates, reports = solve_modules(
             modules, family.calibrated_modules(base_block), expert_modules, moments,
             config.for_layer(index), config, prefix=f"block {index}: ",
         )
         apply_updates(block, updates)
+    if release_memory:
+        trim_heap()
     with phase("advance forwards"):
         student_next = {
             t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()

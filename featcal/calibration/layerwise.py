@@ -101,7 +101,8 @@ def calibrate_cached_layer(
     moments: dict[str, dict[str, Moments]] = {}
     result = walk(family, student.module, weights, student_in, CachedExpertStates(family, expert_states), config,
                   start=index, stop=index + 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
-                  on_block=lambda _k, block: moments.update(block.moments), progress=False)
+                  on_block=lambda _k, block: moments.update(block.moments), progress=False,
+                  release_memory=True)   # a stage's peak RSS is one block's: keep freed pages out of it
     last = index == student.n_blocks - 1
     return LayerOutput(student.parameters(with_pooler=last and config.calibrate_pooler), moments,
                        stack_states(family, result.student), result.drift[0], result.reports)

@@ -220,12 +220,14 @@ def walk(
     on_block: Callable[[int, BlockResult], None] | None = None,
     progress: bool = True,
     desc: str = "featcal",
+    release_memory: bool = False,
 ) -> WalkResult:
     """Calibrate blocks `start`..`stop`−1 of the `student` backbone in place, in forward order.
 
     `student_in` are the student's streams entering block `start`. When the walk reaches the end of
     the model and `config.calibrate_pooler` is set, the pooler follows as a last pseudo-layer.
     `on_block(k, result)` sees each block's result (moments, updates) before it is dropped.
+    `release_memory`: see `calibrate_block` (the calibrate-layer stage sets it).
     """
     n_blocks = len(family.blocks(student))
     stop = n_blocks if stop is None else stop
@@ -238,6 +240,7 @@ def walk(
             result = calibrate_block(
                 family, index, student, base_bb, expert_bbs, out.student, expert_in, config,
                 last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
+                release_memory=release_memory,
             )
         if on_block is not None:
             on_block(index, result)
