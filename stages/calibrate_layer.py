@@ -22,9 +22,9 @@ from featcal.calibration.layerwise import calibrate_cached_layer
 from featcal.calibration.walk import states_of
 from featcal.io.models import atomic_file, check_finite
 from featcal.profiling import trim_heap
-from featcal.calibration.moments import pack_moments
+from featcal.calibration.moments import moments_layout, packed_row
 from featcal.calibration.solve import ILL_CONDITIONED
-from featcal.io.feature_store import StoreFormat, read_group, write_group
+from featcal.io.feature_store import StoreFormat, read_group, write_group, write_rows
 
 
 def main() -> None:
@@ -80,9 +80,9 @@ def main() -> None:
                         {"layer": k + 1, "drift_l2": out.drift.l2, "drift_cosine": out.drift.cosine}, fmt=fmt)
             del student_next
             trim_heap()
-            packed, layout = pack_moments(out.moments, release=True)
-            trim_heap()
-            write_group(args.moments_out, packed, {"layer": k, **layout}, chunk_rows=1)   # a task a chunk: encoded side by side
+            meta = moments_layout(out.moments)   # each task's row built, written and released in turn
+            write_rows(args.moments_out, "moments", (packed_row(out.moments, meta, t, release=True) for t in meta["tasks"]),
+                       (len(meta["tasks"]), meta["total"]), {"layer": k, **meta})
     main_process, world = distributed.is_main(), distributed.world_size()
     distributed.shutdown()
     bad = [r.module for r in out.reports if r.condition is not None and r.condition > ILL_CONDITIONED]

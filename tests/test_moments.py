@@ -44,7 +44,7 @@ def test_moments_means_are_the_spec_statistics():
 
 
 def test_packed_moments_round_trip_exactly():
-    from featcal.calibration.moments import pack_moments, unpack_moments
+    from featcal.calibration.moments import pack_moments, packed_row, unpack_moments
 
     g = torch.Generator().manual_seed(2)
     moments = {}
@@ -58,11 +58,11 @@ def test_packed_moments_round_trip_exactly():
     norm.add(torch.randn(7, 4, generator=g))
     moments["LayerNorm"] = {"a": norm, "b": NormMoments().merge(norm)}
     packed, meta = pack_moments(moments)
-    assert len(packed) == 7  # one array per moment field, whatever the number of modules and tasks
+    assert packed.shape == (2, meta["total"])   # one array, a row per task, whatever the modules and fields
     consumed = {m: dict(per_task) for m, per_task in moments.items()}
-    released, released_meta = pack_moments(consumed, release=True)   # what the calibrate stage writes
-    assert consumed == {} and released_meta == meta
-    assert all(torch.equal(released[name], packed[name]) for name in packed)
+    rows = [packed_row(consumed, meta, t, release=True) for t in meta["tasks"]]   # what the calibrate stage writes
+    assert all(per_task == {} for per_task in consumed.values())
+    assert torch.equal(torch.stack(rows), packed)
     back = unpack_moments(packed, meta)
     for module, per_task in moments.items():
         for task, m in per_task.items():

@@ -182,45 +182,48 @@ def moments_from_arrays(kind: str, arrays: dict[str, Tensor]) -> Moments:
     return cls(**{k: torch.as_tensor(v, dtype=torch.float64) for k, v in arrays.items()})
 
 
-def pack_moments(moments: dict[str, dict[str, Moments]], release: bool = False) -> tuple[dict[str, Tensor], dict]:
-    """One [tasks, total] float64 array per moment field (all modules' sums flattened side by
-    side) plus the layout to undo it: a layer's moments become a handful of arrays, not hundreds.
-
-    The arrays are allocated once and filled module by module; `release` empties `moments` as it
-    goes, so packing a layer's sums costs one (module, task)'s sums on top, not a second layer."""
+def moments_layout(moments: dict[str, dict[str, Moments]]) -> dict:
+    """Where each (field, module) sits in a task's packed row: {"tasks", "layout": [[field, module,
+    kind, offset, shape], ...], "total"}. Every module holds the same fields for every task."""
     tasks = sorted({t for per_task in moments.values() for t in per_task})
-    totals: dict[str, int] = {}
-    layout: dict[str, list] = {}
+    layout, offset = [], 0
     for module, per_task in moments.items():
         kind = "linear" if isinstance(next(iter(per_task.values())), LinearMoments) else "norm"
         for name, value in moments_to_arrays(per_task[tasks[0]]).items():
-            layout.setdefault(name, []).append([module, kind, totals.get(name, 0), list(value.shape)])
-            totals[name] = totals.get(name, 0) + value.numel()
-    packed = {name: torch.empty(len(tasks), total, dtype=torch.float64) for name, total in totals.items()}
-    offsets = {name: {entry[0]: entry[2] for entry in entries} for name, entries in layout.items()}
-    for module in list(moments):
-        per_task = moments[module]
-        for i, task in enumerate(tasks):
-            for name, value in moments_to_arrays(per_task[task]).items():
-                start = offsets[name][module]
-                packed[name][i, start:start + value.numel()] = value.reshape(-1)
-            if release:
-                del per_task[task]
-        if release:
-            del moments[module]
-    return packed, {"tasks": tasks, "layout": layout}
+            layout.append([name, module, kind, offset, list(value.shape)])
+            offset += value.numel()
+    return {"tasks": tasks, "layout": layout, "total": offset}
 
 
-def unpack_moments(packed: dict[str, Tensor], meta: dict) -> dict[str, dict[str, Moments]]:
-    """The inverse of `pack_moments`."""
+def packed_row(moments: dict[str, dict[str, Moments]], meta: dict, task: str, release: bool = False) -> Tensor:
+    """One task's sums of every module and field side by side (float64, `meta["total"]` long);
+    `release` drops that task's moments from `moments` once copied."""
+    row = torch.empty(meta["total"], dtype=torch.float64)
+    for name, module, _kind, offset, shape in meta["layout"]:
+        value = getattr(moments[module][task], name)
+        row[offset:offset + value.numel()] = value.reshape(-1)
+    if release:
+        for per_task in moments.values():
+            per_task.pop(task, None)
+    return row
+
+
+def pack_moments(moments: dict[str, dict[str, Moments]]) -> tuple[Tensor, dict]:
+    """A layer's moments as one [tasks, total] float64 array plus the layout to undo it
+    (`moments_layout`): a handful of files when stored, however many modules and fields.
+    The calibrate stage writes the same rows one at a time (`packed_row`), never the whole array."""
+    meta = moments_layout(moments)
+    return torch.stack([packed_row(moments, meta, t) for t in meta["tasks"]]), meta
+
+
+def unpack_moments(packed: Tensor, meta: dict) -> dict[str, dict[str, Moments]]:
+    """The inverse of `pack_moments` (`packed`: its array, or the stored one)."""
     fields_of: dict[str, dict[str, dict[str, Tensor]]] = {}
     kinds: dict[str, str] = {}
-    for name, entries in meta["layout"].items():
-        for module, kind, offset, shape in entries:
-            size = int(torch.Size(shape).numel())
-            kinds[module] = kind
-            for i, task in enumerate(meta["tasks"]):
-                value = packed[name][i, offset:offset + size].reshape(shape)
-                fields_of.setdefault(module, {}).setdefault(task, {})[name] = value
+    for name, module, kind, offset, shape in meta["layout"]:
+        size = int(torch.Size(shape).numel())
+        kinds[module] = kind
+        for i, task in enumerate(meta["tasks"]):
+            fields_of.setdefault(module, {}).setdefault(task, {})[name] = packed[i, offset:offset + size].reshape(shape)
     return {m: {t: moments_from_arrays(kinds[m], arrays) for t, arrays in per_task.items()}
             for m, per_task in fields_of.items()}

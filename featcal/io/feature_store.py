@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from featcal.io.models import atomic_dir
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                   "float64": torch.float64}
 COMPRESSORS = ("none", "zstd", "gzip")
+ROW_CHUNK = 1 << 21   # values per chunk of `write_rows` (16 MiB of float64)
 TORCH_DTYPE_ATTR = "torch_dtype"   # set on arrays whose numpy dtype is not the tensor's (bfloat16)
 
 
@@ -78,6 +79,37 @@ def write_group(
             arr[...] = data
             if torch_dtype is not None:
                 arr.attrs[TORCH_DTYPE_ATTR] = torch_dtype
+
+
+def write_rows(
+    path: str | os.PathLike, name: str, rows: Iterable[object], shape: tuple[int, int], attrs: Mapping | None = None,
+    fmt: StoreFormat = StoreFormat(),
+) -> None:
+    """One 2-D array written a row at a time, atomically, in unsharded chunks of up to `ROW_CHUNK`
+    values of one row (a row's chunks are encoded side by side; the layout depends on the shape
+    alone, so equal data gives equal files on any machine).
+
+    For arrays too large to hold twice (a layer's moment sums): zarr assembles a shard whole in
+    memory, so `write_group` costs about the array's size again while it writes; this holds one
+    row's encoding. `rows` may be a generator that builds (and frees) each row as it is asked."""
+    with atomic_dir(path) as tmp:
+        group = zarr.open_group(str(tmp), mode="w")
+        group.attrs.update(dict(attrs or {}))
+        arr = None
+        count = 0
+        for i, row in enumerate(rows):
+            data, torch_dtype = fmt.encode(row)
+            if data.shape != tuple(shape[1:]):
+                raise ValueError(f"{path}: row {i} of {name!r} has shape {data.shape}, expected {tuple(shape[1:])}")
+            if arr is None:
+                arr = group.create_array(name, shape=tuple(shape), dtype=data.dtype,
+                                         chunks=(1, max(1, min(shape[1], ROW_CHUNK))), compressors=fmt.codecs())
+                if torch_dtype is not None:
+                    arr.attrs[TORCH_DTYPE_ATTR] = torch_dtype
+            arr[i] = data
+            count = i + 1
+        if count != shape[0]:
+            raise ValueError(f"{path}: {count} rows of {name!r} given, expected {shape[0]}")
 
 
 def _read_array(path: Path, name: str, arr) -> torch.Tensor:
