@@ -383,7 +383,7 @@ def calibrate_pooler(
     moments: dict[str, Moments] = {}
     for task, streams in student_streams.items():
         moments[task] = LinearMoments()
-        for s, e in zip(streams, expert_streams.pop(task), strict=True):
+        for s, e in zip(streams, expert_streams[task], strict=True):
             accumulate_pooled_moments(s, e, moments[task], family, student_backbone)
     name = "dense"
     all_moments = {name: moments}
