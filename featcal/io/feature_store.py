@@ -1,7 +1,9 @@
-"""Per-layer zarr caches: one group per layer, one sharded array per task (or per moment).
+"""Per-layer zarr caches: one group per layer, one sharded array per task; a layer's moment sums one
+array written a row at a time (`write_rows`).
 
-Each array is written as a single shard (inner chunks of `chunk_rows` examples), so a layer is a
-handful of files however many examples it holds: pushing and pulling through a DVC remote stays fast.
+`write_group` writes each array as a single shard (inner chunks of `chunk_rows` examples), so a layer
+is a handful of files however many examples it holds: pushing and pulling through a DVC remote stays
+fast. `write_rows` writes unsharded chunks of one row each, since zarr assembles a shard in memory.
 Every chunk carries a crc32c checksum after its compressor, so a damaged byte fails the read with
 an error naming the store and the array (DVC's own hashes only see a file whose mtime changed).
 Floating arrays may be stored in a narrower dtype (`StoreFormat`); bfloat16, which numpy lacks, is
