@@ -3,13 +3,15 @@
 Reads the student states entering block k (layer 0: the merged embeddings), the experts' states
 entering block k, and from each checkpoint (merged, base, experts) only block k's tensors (plus
 the merged embeddings that rebuild the blocks' inputs); writes the calibrated block parameters,
-the block's moment sums (zarr, keyed by module/task) and the student states entering block k+1.
+the block's record (its solves' conditions; with `cache.moments: true` also its float64 moment sums,
+keyed by module/task) and the student states entering block k+1.
 Runs data-parallel under torchrun when `parallel.nproc_per_node` > 1.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict
 
 from common import enabled_tasks, get, load_params, setup_logging, timed
 from parallel import relaunch_under_torchrun
@@ -38,7 +40,7 @@ def main() -> None:
     parser.add_argument("--student-in", required=True,
                         help="the student states entering the block (zarr; layer 0: the merged model, whose embeddings give them)")
     parser.add_argument("--layer-out", required=True, help="where the calibrated block parameters are written")
-    parser.add_argument("--moments-out", required=True, help="where the block's moment sums (zarr) are written")
+    parser.add_argument("--moments-out", required=True, help="where the block's record and, with cache.moments, its moment sums (zarr) are written")
     parser.add_argument("--student-out", required=True, help="where the student states entering block k+1 are written")
     args = parser.parse_args()
     k = args.layer
@@ -49,6 +51,7 @@ def main() -> None:
     name = f"L{k:02d}"
     batch_size = int(get(params, "calibration.batch_size"))
     fmt = StoreFormat(get(params, "cache.dtype", "float32"), get(params, "cache.compressor", "zstd"))
+    keep_moments = bool(get(params, "cache.moments", False))
     with timed(f"calibrate-layer@{name}"):
         featcal = dict(get(params, "featcal"))
         if args.featcal_params != "params.yaml":
@@ -80,9 +83,14 @@ def main() -> None:
                         {"layer": k + 1, "drift_l2": out.drift.l2, "drift_cosine": out.drift.cosine}, fmt=fmt)
             del student_next
             trim_heap()
-            meta = moments_layout(out.moments)   # each task's row built, written and released in turn
-            write_rows(args.moments_out, "moments", (packed_row(out.moments, meta, t, release=True) for t in meta["tasks"]),
-                       (len(meta["tasks"]), meta["total"]), {"layer": k, **meta})
+            record = {"layer": k, "tasks": tasks, "solves": [asdict(r) for r in out.reports]}
+            if keep_moments:   # each task's row built, written and released in turn
+                meta = moments_layout(out.moments)
+                write_rows(args.moments_out, "moments", (packed_row(out.moments, meta, t, release=True) for t in meta["tasks"]),
+                           (len(meta["tasks"]), meta["total"]), {**record, **meta})
+            else:
+                out.moments = {}
+                write_group(args.moments_out, {}, {**record, "moments": "not kept (cache.moments: false)"})
     main_process, world = distributed.is_main(), distributed.world_size()
     distributed.shutdown()
     bad = [r.module for r in out.reports if r.condition is not None and r.condition > ILL_CONDITIONED]

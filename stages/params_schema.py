@@ -333,6 +333,7 @@ class Parallel:
 class Cache:
     dtype: str = knob(one_of(*CACHE_DTYPES), "float32")
     compressor: str = knob(one_of(*CACHE_COMPRESSORS), "zstd")
+    moments: bool = knob(boolean, False)
 
 
 def task_specs(value, where: str) -> dict:

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+import zarr
 from safetensors.torch import load_file
 
 from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.calibrate import calibrate
+from featcal.calibration.moments import LinearMoments, unpack_moments
 from featcal.data.splits import batches_from_arrays
 from featcal.io.models import load_backbone, load_classifier
 from featcal.evaluation import compare as cmp
@@ -86,6 +88,34 @@ def test_the_dvc_chain_equals_one_in_process_calibration_bit_for_bit(project):
     assert len(chain) == sum(1 for n in in_process if n.startswith(calibrated_prefixes(params)))
     for name, value in chain.items():
         assert torch.equal(value, in_process[name]), name
+
+
+def test_a_block_keeps_its_moment_sums_only_when_asked_and_they_leave_the_weights_unchanged(project, tmp_path):
+    """cache.moments false (the default): calib/moments/Lkk.zarr is the block's record alone (its
+    solves); true: also every task's float64 sums, one row per task, unpacking to each solved module."""
+    project, _ = project
+    record = zarr.open_group(str(project / "calib/moments/L00.zarr"), mode="r")
+    assert read_group(project / "calib/moments/L00.zarr") == {}
+    solves = record.attrs["solves"]
+    linear = [s["module"].split(": ")[-1] for s in solves if s["kind"] == "linear"]   # "block 0: <module>"
+    assert linear and all(s["condition"] > 0 for s in solves if s["kind"] == "linear")
+    assert record.attrs["moments"].startswith("not kept")
+
+    work = tmp_path / "kept"
+    shutil.copytree(project, work, symlinks=True, ignore=shutil.ignore_patterns(".dvc", ".git"))
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params.setdefault("cache", {})["moments"] = True
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run([sys.executable, "stages/calibrate_layer.py", "--layer", "0", "--merged", "models/merged", "--experts", "experts",
+         "--features", "features/experts", "--student-in", "models/merged", "--layer-out", "L00.safetensors",
+         "--moments-out", "L00.zarr", "--student-out", "layer_01.zarr"], work)
+    assert (work / "L00.safetensors").read_bytes() == (project / "calib/layers/L00.safetensors").read_bytes()
+    kept = zarr.open_group(str(work / "L00.zarr"), mode="r")
+    packed = read_group(work / "L00.zarr")["moments"]
+    assert packed.dtype == torch.float64 and packed.shape == (len(params["tasks"]), kept.attrs["total"])
+    sums = unpack_moments(packed, dict(kept.attrs))
+    assert sorted(kept.attrs["tasks"]) == sorted(params["tasks"]) and kept.attrs["solves"] == solves
+    assert {m for m in sums if isinstance(next(iter(sums[m].values())), LinearMoments)} == set(linear)
 
 
 def read_tsv(path: Path) -> list[list[str]]:
