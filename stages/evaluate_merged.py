@@ -28,11 +28,14 @@ def evaluate_backbone(backbone, heads: dict, params: dict, features: str, encode
     encoder = load_encoder(encoder_dir)
     scores = score_backbone(backbone, heads, encoder, {t: read_split(tasks_dir, t, "test") for t in tasks},
                             {t: max_length(params, t) for t in tasks})
+    return scores, drift_on_test(backbone, tasks, features)
+
+
+def drift_on_test(backbone, tasks: list[str], features: str) -> list:
+    """Per-layer drift of `backbone` to the experts' cached test states (`features`), on `tasks`."""
     inputs = read_group(f"{features}/inputs.zarr")
     batches = {t: b for t, b in batches_from_arrays(inputs, DRIFT_BATCH_SIZE).items() if t in tasks}
-    drift = drift_to_states(family_for(backbone), backbone, batches,
-                            lambda k: read_group(f"{features}/layer_{k:02d}.zarr"))
-    return scores, drift
+    return drift_to_states(family_for(backbone), backbone, batches, lambda k: read_group(f"{features}/layer_{k:02d}.zarr"))
 
 
 def main() -> None:
