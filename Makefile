@@ -57,10 +57,12 @@ metrics: setup
 	.venv/bin/dvc exp show --no-pager --only-changed --md
 
 # Benchmarks (not tests): side-by-side measurements on the demo; needs `make repro` first.
-# alpha_rerun.py runs `dvc exp run -S featcal.alpha=0.5` and restores the workspace afterwards.
+# alpha_rerun.py runs `dvc exp run -S featcal.alpha=0.5` and restores the workspace afterwards;
+# alpha_rerun_floor.py measures what that experiment costs whatever its stages compute (DVC, drift, imports).
 bench: setup
 	$(PY) bench/calibration_cost.py
 	$(PY) bench/alpha_rerun.py
+	$(PY) bench/alpha_rerun_floor.py
 	$(MAKE) --no-print-directory bench-scaling
 
 # FeatCal's wall time and peak RSS against examples per task, number of tasks and hidden width
