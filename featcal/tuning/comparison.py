@@ -1,0 +1,110 @@
+"""The dev-tuned comparison: every (anchor, post-merge method) study's choice, read once on test.
+
+Each study (`stages/tune.py --method ... --score-test`) chose its hyperparameters on dev and scored
+the choice on test once; this puts them side by side with each anchor alone, the gap each closes (to
+its own anchor's and to Task Arithmetic's), what the search cost and what the deployed model carries
+beyond the merged backbone. Pure: summaries in, rows out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Mapping
+
+METHODS = ("alone", "featcal", "surgery", "probsurgery")
+REFERENCE_ANCHOR = "task_arithmetic"
+
+
+@dataclass
+class ComparisonRow:
+    anchor: str
+    method: str
+    test: dict[str, float]                 # {"avg", <task>: accuracy}
+    test_avg: float
+    dev_avg: float | None                  # the study's best (None: the anchor alone, not searched)
+    gap_closed: float | None               # of this anchor's gap to the experts
+    gap_closed_vs_ta: float | None         # of Task Arithmetic's gap
+    hyperparameters: dict = field(default_factory=dict)
+    trials: int = 0
+    search_s: float = 0.0                  # the study's trials, wall seconds (mean trial × trials)
+    extra_parameters: int = 0              # carried by the deployed model beyond the merged backbone
+
+
+def gap(value: float, anchor: float, experts: float) -> float | None:
+    """(value − anchor) / (experts − anchor); None when the anchor has no gap to close."""
+    return None if abs(experts - anchor) < 1e-12 else round((value - anchor) / (experts - anchor), 4)
+
+
+def extra_parameters(method: str, hyperparameters: Mapping, width: int, n_tasks: int) -> int:
+    """Parameters the deployed model adds: FeatCal none (it rewrites the backbone's own weights);
+    Surgery a rank-r down/up pair per task (2·d·r); ProbSurgery a d→h layer and two h→d heads with
+    biases per task (3·d·h + 2·d)."""
+    if method == "surgery":
+        return n_tasks * 2 * width * int(hyperparameters["rank"])
+    if method == "probsurgery":
+        h = int(hyperparameters["hidden"])
+        return n_tasks * (3 * width * h + 2 * width)
+    return 0
+
+
+def comparison_rows(
+    experts_avg: float,
+    alone: Mapping[str, Mapping[str, float]],
+    studies: Mapping[tuple[str, str], Mapping],
+    width: int,
+    n_tasks: int,
+) -> list[ComparisonRow]:
+    """`alone[anchor]`: the anchor's test scores ({"avg", <task>}); `studies[(anchor, method)]`: a
+    `stages/tune.py --score-test` summary. Anchors in `studies` without test scores alone are refused,
+    as are studies that never read test."""
+    missing = sorted({a for a, _ in studies} - set(alone))
+    if missing:
+        raise ValueError(f"no test scores of the anchor alone for {missing}")
+    ta = alone.get(REFERENCE_ANCHOR, {}).get("avg")
+    rows = []
+    for anchor in dict.fromkeys(a for a, _ in studies):   # in the order the studies are given
+        base = alone[anchor]["avg"]
+        rows.append(ComparisonRow(anchor, "alone", dict(alone[anchor]), base, None, 0.0,
+                                  None if ta is None else gap(base, ta, experts_avg)))
+        for method in METHODS[1:]:
+            summary = studies.get((anchor, method))
+            if summary is None:
+                continue
+            if not summary.get("test"):
+                raise ValueError(f"study {anchor}/{method} ({summary.get('study')}) has no test scores: "
+                                 "re-run it with --score-test")
+            test = {k: round(float(v), 4) for k, v in summary["test"].items()}
+            params = dict(summary["best"]["params"])
+            n = int(summary.get("trials", {}).get("complete", 0))
+            rows.append(ComparisonRow(
+                anchor, method, test, test["avg"], round(float(summary["best"]["dev_avg"]), 4),
+                gap(test["avg"], base, experts_avg), None if ta is None else gap(test["avg"], ta, experts_avg),
+                params, n, round(float(summary.get("trial_wall_s", {}).get("mean", 0.0)) * n, 1),
+                extra_parameters(method, params, width, n_tasks),
+            ))
+    return rows
+
+
+def as_mapping(rows: list[ComparisonRow]) -> dict[str, dict[str, dict]]:
+    """{anchor: {method: row fields}}: the shape of results/compare_tuned.json."""
+    out: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        fields = asdict(row)
+        out.setdefault(fields.pop("anchor"), {})[fields.pop("method")] = fields
+    return out
+
+
+def markdown_table(rows: list[ComparisonRow], tasks: list[str]) -> str:
+    """One line per (anchor, method): test per task, average, gaps closed, dev, search cost, extra parameters."""
+    head = ["anchor", "method", *tasks, "test avg", "gap closed", "vs TA", "dev avg", "search s", "extra params"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def pct(x: float | None) -> str:
+        return "–" if x is None else f"{100 * x:.1f}"
+
+    for r in rows:
+        cells = [r.anchor, r.method, *(pct(r.test.get(t)) for t in tasks), pct(r.test_avg), pct(r.gap_closed),
+                 pct(r.gap_closed_vs_ta), pct(r.dev_avg), f"{r.search_s:.0f}" if r.trials else "–",
+                 f"{r.extra_parameters:,}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,57 @@
+"""The dev-tuned comparison table from the studies' summaries (not a stage; run after the studies).
+
+Every `<anchor>_<method>.json` in --studies (`stages/tune.py --method <method> --score-test
+--summary ...`, anchor a registry name of `compare.anchors`, method featcal | surgery | probsurgery)
+becomes a row next to its anchor alone (test scores from the `compare` stage's JSON, same options);
+writes the rows as JSON ({anchor: {method: ...}}) and as a Markdown table.
+
+    python stages/compare_tuned.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from common import enabled_tasks, get, load_params
+
+from featcal.io.models import write_json
+from featcal.tuning.comparison import METHODS, as_mapping, comparison_rows, markdown_table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--studies", default="results/dev_tuning", help="folder of the studies' summaries")
+    parser.add_argument("--alone", default="results/compare.json",
+                        help="the compare stage's JSON: each anchor's test scores alone, and the experts'")
+    parser.add_argument("--experts", default="experts", help="folder of the experts (their width)")
+    parser.add_argument("--out", default="results/compare_tuned.json", help="where the rows (JSON) are written")
+    parser.add_argument("--table", default="results/compare_tuned.md", help="where the Markdown table is written")
+    args = parser.parse_args()
+    params = load_params()
+    tasks = enabled_tasks(params)
+    anchors = list(get(params, "compare.anchors"))
+    studies = {}
+    for anchor in anchors:
+        for method in METHODS[1:]:
+            path = Path(args.studies) / f"{anchor}_{method}.json"
+            if path.exists():
+                studies[(anchor, method)] = json.loads(path.read_text())
+    if not studies:
+        raise SystemExit(f"compare_tuned: no <anchor>_<method>.json summaries in {args.studies} "
+                         f"(anchors {anchors}, methods {list(METHODS[1:])})")
+    compared = json.loads(Path(args.alone).read_text())
+    alone = {a: compared["anchors"][a]["merged"] for a in anchors if a in compared.get("anchors", {})}
+    width = json.loads((Path(args.experts) / tasks[0] / "config.json").read_text())["hidden_size"]
+    try:
+        rows = comparison_rows(compared["experts"]["avg"], alone, studies, width, len(tasks))
+    except ValueError as err:
+        raise SystemExit(f"compare_tuned: {err}") from None
+    write_json(args.out, {"experts": compared["experts"], "tasks": tasks, "anchors": as_mapping(rows)})
+    Path(args.table).write_text(markdown_table(rows, tasks))
+    print(markdown_table(rows, tasks))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""The dev-tuned comparison's rows: gaps, costs and extra parameters from the studies' summaries."""
+
+import pytest
+
+from featcal.tuning.comparison import as_mapping, comparison_rows, extra_parameters, gap, markdown_table
+
+TASKS = ["a", "b"]
+
+
+def summary(dev: float, test: float, params: dict, trial_s: float = 10.0, trials: int = 24) -> dict:
+    return {"study": "s", "best": {"trial": 3, "dev_avg": dev, "params": params},
+            "trials": {"complete": trials}, "trial_wall_s": {"mean": trial_s},
+            "test": {"avg": test, "a": test + 0.01, "b": test - 0.01}}
+
+
+def test_rows_put_each_study_next_to_its_anchor_alone_with_both_gaps():
+    alone = {"task_arithmetic": {"avg": 0.60, "a": 0.6, "b": 0.6}, "ties": {"avg": 0.70, "a": 0.7, "b": 0.7}}
+    studies = {("ties", "featcal"): summary(0.75, 0.72, {"alpha": 0.3, "rho": 1.0, "ridge": 0.01}),
+               ("ties", "surgery"): summary(0.76, 0.71, {"lr": 1e-3, "rank": 4, "iterations": 100}, trial_s=5.0),
+               ("task_arithmetic", "probsurgery"): summary(0.74, 0.70, {"lr": 1e-3, "hidden": 8, "iterations": 10})}
+    rows = comparison_rows(0.80, alone, studies, width=16, n_tasks=2)
+    assert [(r.anchor, r.method) for r in rows] == [("ties", "alone"), ("ties", "featcal"), ("ties", "surgery"),
+                                                    ("task_arithmetic", "alone"), ("task_arithmetic", "probsurgery")]
+    featcal = rows[1]
+    assert featcal.gap_closed == pytest.approx(0.2) and featcal.gap_closed_vs_ta == pytest.approx(0.6)
+    assert featcal.dev_avg == 0.75 and featcal.extra_parameters == 0 and featcal.search_s == 240.0
+    assert rows[2].extra_parameters == 2 * 2 * 16 * 4 and rows[2].search_s == 120.0
+    assert rows[4].extra_parameters == 2 * (3 * 16 * 8 + 2 * 16)
+    assert rows[0].dev_avg is None and rows[0].gap_closed == 0.0 and rows[0].gap_closed_vs_ta == pytest.approx(0.5)
+    table = as_mapping(rows)
+    assert table["ties"]["surgery"]["hyperparameters"] == {"lr": 1e-3, "rank": 4, "iterations": 100}
+    assert set(table["ties"]["featcal"]) >= {"test_avg", "dev_avg", "gap_closed", "hyperparameters"}
+    lines = markdown_table(rows, TASKS).splitlines()
+    assert len(lines) == 2 + len(rows) and "| ties | featcal | 73.0 | 71.0 | 72.0 | 20.0 | 60.0 | 75.0 | 240 | 0 |" in lines
+
+
+def test_a_study_without_test_scores_or_an_anchor_without_its_own_scores_is_refused():
+    alone = {"ties": {"avg": 0.7}}
+    no_test = summary(0.75, 0.72, {"alpha": 0.3})
+    del no_test["test"]
+    with pytest.raises(ValueError, match="ties/featcal .* has no test scores"):
+        comparison_rows(0.8, alone, {("ties", "featcal"): no_test}, 16, 2)
+    with pytest.raises(ValueError, match=r"no test scores of the anchor alone for \['wudi'\]"):
+        comparison_rows(0.8, alone, {("wudi", "featcal"): summary(0.75, 0.72, {})}, 16, 2)
+
+
+def test_gap_and_extra_parameters():
+    assert gap(0.7, 0.6, 0.8) == pytest.approx(0.5) and gap(0.7, 0.8, 0.8) is None
+    assert extra_parameters("featcal", {}, 384, 6) == 0
+    assert extra_parameters("surgery", {"rank": 10}, 384, 6) == 6 * 2 * 384 * 10
