@@ -288,6 +288,7 @@ class Tune:
     startup_trials: int = knob(integer(0), 8)
     enqueue_defaults: bool = knob(boolean, True)
     search: dict = knob(mapping_of(search_range), factory=dict)
+    anchor_search: dict = knob(mapping_of(search_range), factory=dict)
     prune_after_layers: list = knob(list_of(integer(0)), factory=list)
     prune_startup_trials: int = knob(integer(0), 5)
 
@@ -429,6 +430,16 @@ def check_search(params: Params) -> None:
             raise unknown_key("tune.search", key, HYPER_KEYS, "hyperparameter")
         allowed[key](found.low, f"tune.search.{key}.low")
         allowed[key](found.high, f"tune.search.{key}.high")
+    if params.tune.anchor_search:   # merge.method's own options, searched per trial (data-free methods)
+        from featcal.merging import split_options
+        from featcal.tuning.objective import AnchorSearch, Range
+
+        try:
+            AnchorSearch(params.merge.method, split_options(params.merge.method, params.merge.options)[0],
+                         {k: Range(r.low, r.high, r.log) for k, r in params.tune.anchor_search.items()})
+        except ValueError as err:
+            text = str(err)
+            raise ParamsError(text if text.startswith("tune.anchor_search") else f"tune.anchor_search: {text}") from None
 
 
 def check_merge(params: Params) -> None:

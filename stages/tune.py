@@ -97,16 +97,32 @@ def test_summary(scores: dict[str, float]) -> dict[str, float]:
     return {"avg": round(sum(scores.values()) / len(scores), 6), **{t: round(v, 6) for t, v in scores.items()}}
 
 
+def anchor_search(params: dict):
+    """`tune.anchor_search` (ranges of merge.method's own options) as an AnchorSearch; None when empty."""
+    from featcal.merging import split_options
+    from featcal.tuning.objective import AnchorSearch, Range
+
+    ranges = get(params, "tune.anchor_search", {}) or {}
+    if not ranges:
+        return None
+    method = get(params, "merge.method")
+    options, _data = split_options(method, get(params, "merge.options", {}) or {})
+    return AnchorSearch(method, options, {k: Range.parse(f"anchor_search.{k}", v) for k, v in ranges.items()})
+
+
 def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_trials: int, params: dict,
-                             tasks: list[str]) -> None:
+                             tasks: list[str], anchor) -> None:
     """A post-merge baseline's study (same problem, same budget), its summary and, once, its test scores."""
     from featcal.tuning.baselines import BaselineProblem, best_config, tune_baseline
 
     baseline = BaselineProblem(problem)
-    outcome = tune_baseline(baseline, args.method, storage, study_name, n_trials, seed=int(get(params, "seed")))
+    outcome = tune_baseline(baseline, args.method, storage, study_name, n_trials, seed=int(get(params, "seed")),
+                            anchor=anchor)
     if args.summary:
         summary = dict(outcome.summary)
         if args.score_test:
+            if anchor is not None:
+                baseline.use_merged(problem.merged_with(anchor, anchor.options_of(outcome.study.best_trial.params)))
             summary["test"] = test_summary(baseline.score(baseline.train(best_config(outcome, args.method)),
                                                           test_splits(params, tasks)))
         write_json(args.summary, summary)
@@ -132,17 +148,18 @@ def main(argv: list[str] | None = None) -> None:
     with timed("tune") if stage else contextlib.nullcontext():
         try:
             make_storage(storage)   # an empty or damaged study file fails here, before any model loads
+            anchor = anchor_search(params)   # (an unsearchable anchor fails here too)
             problem = load_problem(base=get(params, "model.base"), tasks=tasks,
                                    max_length={t: max_length(params, t) for t in tasks},
                                    batch_size=int(get(params, "calibration.batch_size")), merged=args.merged,
                                    experts_dir=args.experts, features=args.features,
                                    tasks_dir=get(params, "tasks_dir"))
             if args.method != "featcal":
-                return tune_baseline_and_report(problem, args, storage, study_name, n_trials, params, tasks)
+                return tune_baseline_and_report(problem, args, storage, study_name, n_trials, params, tasks, anchor)
             # the keys params.yaml gives; StudySettings' own defaults for the rest
             given = {f.name: settings[f.name] for f in dataclasses.fields(StudySettings) if f.name in settings}
             given["prune_after_layers"] = tuple(given.get("prune_after_layers") or ())
-            outcome = tune(problem, base, space, storage, study_name, n_trials, StudySettings(**given))
+            outcome = tune(problem, base, space, storage, study_name, n_trials, StudySettings(**given), anchor)
         except (ValueError, KeyError, OSError, StudyMismatchError, StudyStorageError) as err:
             # a bad input, said in one line (what, where, the fix) instead of a traceback
             raise SystemExit(f"tune: error: {err.args[0] if isinstance(err, KeyError) and err.args else err}") from None
@@ -153,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
                 from featcal.tuning import best_values
 
                 config = dataclasses.replace(base, **best_values(outcome.study, base))
-                outcome.summary["test"] = test_summary(problem.score(problem.calibrate(config), test_splits(params, tasks)))
+                merged = problem.merged_with(anchor, anchor.options_of(outcome.study.best_trial.params)) if anchor else None
+                outcome.summary["test"] = test_summary(problem.score(problem.calibrate(config, merged=merged),
+                                                                     test_splits(params, tasks)))
             write_json(args.summary, outcome.summary)
             if args.history_plot:
                 from featcal.evaluation.plots import plot_study   # matplotlib: only the stage draws

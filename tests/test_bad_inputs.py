@@ -131,6 +131,7 @@ PARAM_CASES = [
     ("tune.n_trials", -3, ["tune.n_trials = -3", ">= 1"]),
     ("tune.search", {"alpha": [0, 2]}, ["tune.search.alpha.high = 2", "[0, 1]"]),
     ("tune.prune_after_layers", [1], ["tune.prune_after_layers[0] = 1", "blocks 0..0"]),
+    ("tune.anchor_search", {"scael": [0.1, 1.0]}, ["tune.anchor_search", "'scael'", "scale"]),
     ("merge.method", "tiez", ["merge.method = 'tiez'", "did you mean 'ties'"]),
     ("merge.options", {"scael": 0.3}, ["merge.options", "'scael'", "scale"]),
     ("parallel.nproc_per_node", 0, ["parallel.nproc_per_node = 0", ">= 1"]),

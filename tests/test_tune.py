@@ -224,6 +224,44 @@ def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_t
     assert written["test"]["avg"] == pytest.approx((written["test"]["sentiment"] + written["test"]["topic"]) / 2, abs=1e-6)
 
 
+def test_the_anchors_own_knob_is_searched_and_each_trial_calibrates_its_own_merge(project, tmp_path):
+    """tune.anchor_search: a trial merges base and experts with its anchor.* values, then calibrates
+    (FeatCal) or trains (Surgery) on that merge; the params' options go first; data methods are refused."""
+    from featcal.merging.in_memory import merge_models
+    from featcal.tuning import baselines
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    method, options = params["merge"]["method"], params["merge"]["options"]
+    assert method == "task_arithmetic"
+    problem, base = problem_of(project, params), FeatCalConfig.from_mapping(params["featcal"])
+    anchor = tune.AnchorSearch(method, options, {"scale": tune.Range(0.1, 1.0)})
+    storage = f"sqlite:///{tmp_path / 'anchor.db'}"
+    tune.tune(problem, base, tune.SearchSpace(), storage, "anchor", 3, tune.StudySettings(startup_trials=2), anchor)
+    trials = trials_of(storage, "anchor")
+    assert trials[0].params == {**{k: params["featcal"][k] for k in ("alpha", "rho", "ridge")},
+                                "anchor.scale": options["scale"]}
+    assert len({t.params["anchor.scale"] for t in trials}) == 3 and all(t.user_attrs["merge_s"] > 0 for t in trials)
+    last = trials[-1]
+    merged = merge_models(problem.base, problem.experts, method, {**options, "scale": last.params["anchor.scale"]})
+    config = dataclasses.replace(base, **{k: last.params[k] for k in ("alpha", "rho", "ridge")})
+    dev = problem.score(problem.calibrate(config, merged=problem.family.backbone(merged)))
+    assert last.value == pytest.approx(sum(dev.values()) / len(dev), abs=1e-12)
+    assert anchor.options_of(last.params) == {**options, "scale": last.params["anchor.scale"]}
+    assert problem.fingerprint(base, tune.SearchSpace()) != problem.fingerprint(base, tune.SearchSpace(), anchor)
+
+    surgery = baselines.BaselineProblem(problem)
+    outcome = baselines.tune_baseline(surgery, "surgery", storage, "anchor-surgery", 2, anchor=anchor)
+    first, second = trials_of(storage, "anchor-surgery")
+    assert first.params == {"lr": 1e-3, "rank": 16, "iterations": 500, "anchor.scale": options["scale"]}
+    assert second.params["anchor.scale"] != options["scale"] and surgery.merged_feats is not None
+    assert baselines.best_config(outcome, "surgery").rank in (first.params["rank"], second.params["rank"])
+
+    with pytest.raises(ValueError, match="needs data"):
+        tune.AnchorSearch("regmean", {}, {"off_diagonal": tune.Range(0.1, 0.9)})
+    with pytest.raises(ValueError, match="unknown option 'scal'"):
+        tune.AnchorSearch(method, options, {"scal": tune.Range(0.1, 1.0)})
+
+
 def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> None:
     same = []
     for layer in ("L00", "L01"):

@@ -24,7 +24,7 @@ from featcal.baselines.surgery import (
 from featcal.data.splits import TaskSplit
 from featcal.finetune import accuracy
 from featcal.io.checkpoints import with_backbone_assigned
-from featcal.tuning.objective import TuneProblem
+from featcal.tuning.objective import AnchorSearch, TuneProblem
 from featcal.tuning.study import count_trials, make_storage, open_study, redacted, run_trials, summarize, TuneOutcome
 
 
@@ -65,13 +65,24 @@ class BaselineProblem:
     """The cached representations and the deployed form's scorers, built once from a `TuneProblem`."""
 
     def __init__(self, problem: TuneProblem):
+        self.problem = problem
         self.dev = problem.dev
         self.encoder = problem.encoder
-        # each task's model with the merged backbone (the expert's head), copied once
-        self.merged_models = {t: with_backbone_assigned(copy.deepcopy(problem.experts[t]).eval(), problem.merged)
+        self.expert_feats = {t: representations(problem.experts[t], problem.batches[t]) for t in problem.dev}
+        self._merged: nn.Module | None = None
+        self.use_merged(problem.merged)
+
+    def use_merged(self, merged: nn.Module) -> None:
+        """Train and score on `merged` (a trial's anchor merge); its representations are computed
+        once per merged backbone."""
+        if merged is self._merged:
+            return
+        problem = self.problem
+        # each task's model with the merged backbone (the expert's head)
+        self.merged_models = {t: with_backbone_assigned(copy.deepcopy(problem.experts[t]).eval(), merged)
                               for t in problem.dev}
         self.merged_feats = {t: representations(self.merged_models[t], problem.batches[t]) for t in problem.dev}
-        self.expert_feats = {t: representations(problem.experts[t], problem.batches[t]) for t in problem.dev}
+        self._merged = merged
 
     def train(self, config: SurgeryConfig | ProbSurgeryConfig) -> dict[str, nn.Module]:
         trainer = train_surgery if isinstance(config, SurgeryConfig) else train_probsurgery
@@ -89,30 +100,35 @@ class BaselineProblem:
 
 
 def tune_baseline(problem: BaselineProblem, kind: str, storage: str, study_name: str, n_trials: int,
-                  seed: int = 0, startup_trials: int = 8) -> TuneOutcome:
+                  seed: int = 0, startup_trials: int = 8, anchor: AnchorSearch | None = None) -> TuneOutcome:
     """Bring the study `study_name` up to `n_trials` trials of `kind` (surgery | probsurgery), the
-    paper's defaults tried first; each trial's dev accuracy per task is kept (`dev`)."""
+    paper's defaults tried first; each trial's dev accuracy per task is kept (`dev`). With `anchor`,
+    each trial also merges with its own anchor values (`featcal.tuning.objective.AnchorSearch`)."""
     base = default_config(kind)
     space = SPACES[kind]
 
     def objective(trial: Trial) -> float:
         config = replace(base, **{name: knob.suggest(trial, name) for name, knob in space.items()})
+        if anchor is not None:
+            problem.use_merged(problem.problem.merged_with(anchor, {**anchor.options, **anchor.suggest(trial)}))
         dev = problem.score(problem.train(config))
         trial.set_user_attr("dev", {t: round(v, 6) for t, v in dev.items()})
         return sum(dev.values()) / len(dev)
 
     study = open_study(make_storage(storage), study_name)
     existing = count_trials(study)
+    enqueue = {name: getattr(base, name) for name in space}
     ran = run_trials(study, objective, n_trials, seed=seed, startup_trials=startup_trials,
-                     enqueue={name: getattr(base, name) for name in space})
+                     enqueue={**enqueue, **anchor.defaults()} if anchor is not None else enqueue)
     summary = summarize(study)
     summary.update({"method": kind, "storage": redacted(storage), "target": n_trials, "ran_now": len(ran)})
     return TuneOutcome(study, ran, existing, summary)
 
 
 def best_config(outcome: TuneOutcome, kind: str) -> SurgeryConfig | ProbSurgeryConfig:
-    """The configuration of the study's best trial."""
-    return replace(default_config(kind), **outcome.study.best_trial.params)
+    """The configuration of the study's best trial (its `anchor.*` values are the anchor's)."""
+    params = outcome.study.best_trial.params
+    return replace(default_config(kind), **{k: v for k, v in params.items() if k in SPACES[kind]})
 
 
 __all__ = ["BaselineProblem", "KINDS", "Knob", "SPACES", "best_config", "default_config", "tune_baseline"]

@@ -89,6 +89,51 @@ class SearchSpace:
         return all(values[k] in r for k, r in self.ranges.items())
 
 
+@dataclass(frozen=True)
+class AnchorSearch:
+    """The anchor merge's own knobs (TA's scale, TIES' density, ...) searched next to a method's:
+    each trial merges the base and the experts in memory with its values. Data-free methods only
+    (a data method would gather its data again every trial). Trial parameters are named
+    `anchor.<option>`; `options` holds the fixed ones (the params' merge.options)."""
+
+    method: str
+    options: Mapping[str, object]
+    ranges: Mapping[str, Range]
+
+    PREFIX = "anchor."
+
+    def __post_init__(self) -> None:
+        from featcal.merging.registry import build_options, get_method
+
+        spec = get_method(self.method)
+        if spec.needs:
+            raise ValueError(f"tune.anchor_search: merge method {self.method!r} needs data "
+                             f"({', '.join(sorted(spec.needs))}); only data-free anchors are searched")
+        if not self.ranges:
+            raise ValueError("tune.anchor_search: nothing to search")
+        for key, rng in self.ranges.items():   # unknown options and out-of-bounds ranges fail here
+            for value in (rng.low, rng.high):
+                build_options(self.method, {**self.options, key: value})
+
+    def suggest(self, trial: Trial) -> dict[str, float]:
+        return {k: trial.suggest_float(self.PREFIX + k, r.low, r.high, log=r.log) for k, r in self.ranges.items()}
+
+    def defaults(self) -> dict[str, float]:
+        """The fixed options' values of the searched knobs (method defaults where not given), as
+        trial parameters, for the first trial; {} if one lies outside its range."""
+        from featcal.merging.registry import build_options
+
+        built = build_options(self.method, dict(self.options))
+        values = {k: float(getattr(built, k)) for k in self.ranges}
+        inside = all(v in self.ranges[k] for k, v in values.items())
+        return {self.PREFIX + k: v for k, v in values.items()} if inside else {}
+
+    def options_of(self, params: Mapping[str, float]) -> dict[str, object]:
+        """The merge options of a trial's parameters (its `anchor.*` values over the fixed ones)."""
+        searched = {k[len(self.PREFIX):]: v for k, v in params.items() if k.startswith(self.PREFIX)}
+        return {**self.options, **searched}
+
+
 # --- the problem a trial solves ----------------------------------------------------------------------
 
 
@@ -141,15 +186,32 @@ class TuneProblem:
                                      {t: self.family.backbone(m).eval() for t, m in self.experts.items()})
         # scoring swaps backbones into copies of the task models; the experts stay untouched
         self._scorers = {t: copy.deepcopy(self.experts[t]).eval() for t in self.dev}
+        self._last_merge: tuple[tuple, nn.Module] | None = None
 
     def states(self, layer: int) -> Mapping[str, Tensor]:
         if layer not in self._states:
             self._states[layer] = self._expert_states(layer)
         return self._states[layer]
 
-    def calibrate(self, config: FeatCalConfig, after_block: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
-        """A calibrated copy of the merged backbone: the walk, with the experts' states from the cache."""
-        backbone = copy.deepcopy(self.merged)
+    def merged_with(self, anchor: AnchorSearch | None, options: Mapping[str, object] | None = None) -> nn.Module:
+        """The merged backbone for `options` of `anchor`'s method (the loaded one without an anchor
+        search); the last merge is kept, so trials with the same options merge once."""
+        if anchor is None:
+            return self.merged
+        key = (anchor.method, repr(sorted(dict(options or {}).items())))
+        if self._last_merge is None or self._last_merge[0] != key:
+            from featcal.merging.in_memory import merge_models
+
+            self._last_merge = None   # the previous merge freed before the next is built
+            merged = merge_models(self.base, self.experts, anchor.method, dict(options or {}))
+            self._last_merge = (key, self.family.backbone(merged).eval())
+        return self._last_merge[1]
+
+    def calibrate(self, config: FeatCalConfig, after_block: Callable[[int, nn.Module], None] | None = None,
+                  merged: nn.Module | None = None) -> nn.Module:
+        """A calibrated copy of the merged backbone (or of `merged`, e.g. `merged_with`'s): the walk,
+        with the experts' states from the cache."""
+        backbone = copy.deepcopy(self.merged if merged is None else merged)
 
         def on_block(k: int, _result) -> None:
             if after_block is not None and k < self.n_blocks - 1:
@@ -167,9 +229,10 @@ class TuneProblem:
         return score_backbone(backbone, self._scorers, self.encoder, {t: splits[t] for t in self.dev},
                               {t: d.max_length for t, d in self.dev.items()})
 
-    def fingerprint(self, config: FeatCalConfig, space: SearchSpace) -> str:
+    def fingerprint(self, config: FeatCalConfig, space: SearchSpace, anchor: AnchorSearch | None = None) -> str:
         """A digest of what a trial's score depends on apart from the searched values: models,
-        cached states, calibration inputs, dev data and the fixed FeatCal settings."""
+        cached states, calibration inputs, dev data, the fixed FeatCal settings and, with an anchor
+        search, its method and fixed options."""
         h = hashlib.blake2b(digest_size=20)
 
         def tensor(t: Tensor) -> None:
@@ -200,6 +263,9 @@ class TuneProblem:
             tensor(d.split.labels)
         fixed = {k: v for k, v in dataclasses.asdict(config).items() if k not in space.ranges}
         h.update(repr(sorted(fixed.items())).encode())
+        if anchor is not None:   # (a study without one keeps the fingerprint it always had)
+            fixed_options = {k: v for k, v in anchor.options.items() if k not in anchor.ranges}
+            h.update(repr((anchor.method, sorted(fixed_options.items()), sorted(anchor.ranges))).encode())
         return h.hexdigest()
 
 
@@ -240,8 +306,9 @@ def load_problem(
 
 
 def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig,
-                   prune_after: Sequence[int] = ()) -> Callable[[Trial], float]:
-    """Objective: mean dev accuracy over tasks of the model calibrated with the trial's values.
+                   prune_after: Sequence[int] = (), anchor: AnchorSearch | None = None) -> Callable[[Trial], float]:
+    """Objective: mean dev accuracy over tasks of the model calibrated with the trial's values
+    (with `anchor`, from the merge with the trial's anchor values).
 
     With `prune_after` (block indices), the partly calibrated model (blocks 0..k calibrated, the
     rest merged) is scored after each listed block and reported, so a pruner may stop the trial.
@@ -249,6 +316,11 @@ def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig
     def objective(trial: Trial) -> float:
         values = space.suggest(trial)
         config = dataclasses.replace(base, **values)
+        merged = None
+        if anchor is not None:
+            start = time.perf_counter()
+            merged = problem.merged_with(anchor, {**anchor.options, **anchor.suggest(trial)})
+            trial.set_user_attr("merge_s", round(time.perf_counter() - start, 3))
 
         def after_block(k: int, backbone: nn.Module) -> None:
             if k in prune_after:
@@ -258,7 +330,7 @@ def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig
                     raise optuna.TrialPruned(f"dev {partial:.4f} after block {k}")
 
         start = time.perf_counter()
-        backbone = problem.calibrate(config, after_block if prune_after else None)
+        backbone = problem.calibrate(config, after_block if prune_after else None, merged)
         trial.set_user_attr("calibrate_s", round(time.perf_counter() - start, 3))
         start = time.perf_counter()
         scores = problem.score(backbone)

@@ -34,7 +34,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 if TYPE_CHECKING:   # torch comes with these: a worker that only shares a study does without
     from featcal.calibration.config import FeatCalConfig
-    from featcal.tuning.objective import SearchSpace, TuneProblem
+    from featcal.tuning.objective import AnchorSearch, SearchSpace, TuneProblem
 
 log = logging.getLogger(__name__)
 
@@ -479,25 +479,28 @@ class TuneOutcome:
 
 
 def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage: str, study_name: str,
-         n_trials: int, settings: StudySettings = StudySettings()) -> TuneOutcome:
+         n_trials: int, settings: StudySettings = StudySettings(), anchor: AnchorSearch | None = None) -> TuneOutcome:
     """Bring the study `study_name` in `storage` up to `n_trials` trials of `problem`, searching
-    `space` around `base` (the values not searched, and the defaults tried first)."""
+    `space` around `base` (the values not searched, and the defaults tried first) and, with
+    `anchor`, the anchor merge's knobs too."""
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
         raise ValueError(f"n_trials must be an integer >= 1, got {n_trials!r}")
     rdb = make_storage(storage)   # an empty or damaged study file fails here
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=settings.prune_startup_trials)
               if settings.prune_after_layers else None)
-    study = open_study(rdb, study_name, fingerprint=problem.fingerprint(base, space), pruner=pruner)
+    study = open_study(rdb, study_name, fingerprint=problem.fingerprint(base, space, anchor), pruner=pruner)
     study.set_user_attr("dev_dropped", {t: d.dropped for t, d in problem.dev.items()})
     existing = count_trials(study)
     log.info("study %r in %s: %d trials counted, target %d", study_name, redacted(storage), existing, n_trials)
     defaults = {k: getattr(base, k) for k in space.ranges}
-    enqueue = defaults if settings.enqueue_defaults and space.contains(defaults) else None
+    anchor_defaults = anchor.defaults() if anchor is not None else {}
+    inside = space.contains(defaults) and (anchor is None or bool(anchor_defaults))
+    enqueue = {**defaults, **anchor_defaults} if settings.enqueue_defaults and inside else None
     if settings.enqueue_defaults and enqueue is None:
-        log.warning("the FeatCal defaults %s lie outside the search space: not enqueued", defaults)
+        log.warning("the defaults %s lie outside the search space: not enqueued", {**defaults, **anchor_defaults})
     from featcal.tuning.objective import make_objective
 
-    objective = make_objective(problem, space, base, settings.prune_after_layers)
+    objective = make_objective(problem, space, base, settings.prune_after_layers, anchor)
     ran = run_trials(study, objective, n_trials, seed=settings.seed, startup_trials=settings.startup_trials,
                      lock=ClaimLock(storage, study_name), enqueue=enqueue)
     summary = summarize(study)
