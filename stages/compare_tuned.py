@@ -3,7 +3,9 @@
 Every `<anchor>_<method>.json` in --studies (`stages/tune.py --method <method> --score-test
 --summary ...`, anchor a registry name of `compare.anchors`, method featcal | surgery | probsurgery)
 becomes a row next to its anchor alone (test scores from the `compare` stage's JSON, same options);
-writes the rows as JSON ({anchor: {method: ...}}) and as a Markdown table.
+writes the rows as JSON ({anchor: {method: ...}}, and which row dev picks) and as a Markdown table,
+a per-task plot of the experts, the dev-best model's anchor and that model, and the dev-best FeatCal
+study's history and parameter importances.
 
     python stages/compare_tuned.py
 """
@@ -14,10 +16,12 @@ import argparse
 import json
 from pathlib import Path
 
+import optuna
 from common import enabled_tasks, get, load_params
 
+from featcal.evaluation.plots import plot_grouped_bars, plot_study
 from featcal.io.models import write_json
-from featcal.tuning.comparison import METHODS, as_mapping, comparison_rows, markdown_table
+from featcal.tuning.comparison import METHODS, as_mapping, comparison_rows, dev_best, markdown_table, per_task_groups
 
 
 def main() -> None:
@@ -28,6 +32,9 @@ def main() -> None:
     parser.add_argument("--experts", default="experts", help="folder of the experts (their width)")
     parser.add_argument("--out", default="results/compare_tuned.json", help="where the rows (JSON) are written")
     parser.add_argument("--table", default="results/compare_tuned.md", help="where the Markdown table is written")
+    parser.add_argument("--plots", default="results/plots",
+                        help="folder of the plots: compare_tuned_per_task.png (experts, anchor, dev-best model per "
+                             "task) and the dev-best FeatCal study's compare_tuned_featcal_{history,importance}.png")
     args = parser.parse_args()
     params = load_params()
     tasks = enabled_tasks(params)
@@ -48,9 +55,20 @@ def main() -> None:
         rows = comparison_rows(compared["experts"]["avg"], alone, studies, width, len(tasks))
     except ValueError as err:
         raise SystemExit(f"compare_tuned: {err}") from None
-    write_json(args.out, {"experts": compared["experts"], "tasks": tasks, "anchors": as_mapping(rows)})
+    best, best_featcal = dev_best(rows), dev_best(rows, ("featcal",))
+    write_json(args.out, {"experts": compared["experts"], "tasks": tasks, "anchors": as_mapping(rows),
+                          "dev_best": {"anchor": best.anchor, "method": best.method},
+                          "dev_best_featcal": {"anchor": best_featcal.anchor, "method": "featcal"}})
     Path(args.table).write_text(markdown_table(rows, tasks))
+    plots = Path(args.plots)
+    plot_grouped_bars(per_task_groups(rows, compared["experts"], tasks), plots / "compare_tuned_per_task.png",
+                      "test accuracy (%)", title=f"chosen on dev: {best.anchor} + {best.method}")
+    summary = studies[(best_featcal.anchor, "featcal")]
+    plot_study(optuna.load_study(study_name=summary["study"], storage=summary["storage"]),
+               plots / "compare_tuned_featcal_history.png", plots / "compare_tuned_featcal_importance.png")
     print(markdown_table(rows, tasks))
+    print(f"dev-best: {best.anchor} + {best.method} (test {best.test_avg}); "
+          f"dev-best FeatCal: {best_featcal.anchor} (study {summary['study']})")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 import pytest
 
-from featcal.tuning.comparison import as_mapping, comparison_rows, extra_parameters, gap, markdown_table
+from featcal.tuning.comparison import (as_mapping, comparison_rows, dev_best, extra_parameters, gap, markdown_table,
+                                       per_task_groups)
 
 TASKS = ["a", "b"]
 
@@ -48,3 +49,17 @@ def test_gap_and_extra_parameters():
     assert gap(0.7, 0.6, 0.8) == pytest.approx(0.5) and gap(0.7, 0.8, 0.8) is None
     assert extra_parameters("featcal", {}, 384, 6) == 0
     assert extra_parameters("surgery", {"rank": 10}, 384, 6) == 6 * 2 * 384 * 10
+
+
+def test_dev_picks_the_best_dev_row_and_on_a_tie_the_one_adding_fewer_parameters():
+    alone = {"ties": {"avg": 0.7, "a": 0.7, "b": 0.7}, "wudi": {"avg": 0.72, "a": 0.72, "b": 0.72}}
+    studies = {("ties", "featcal"): summary(0.751, 0.74, {}),
+               ("wudi", "probsurgery"): summary(0.76, 0.70, {"hidden": 8}),
+               ("wudi", "surgery"): summary(0.76, 0.69, {"rank": 4})}
+    rows = comparison_rows(0.8, alone, studies, width=16, n_tasks=2)
+    best = dev_best(rows)
+    assert (best.anchor, best.method) == ("wudi", "surgery")          # equal dev, 128 < 800 parameters added
+    assert dev_best(rows, ("featcal",)).anchor == "ties"
+    groups = per_task_groups(rows, {"a": 0.9, "b": 0.8}, TASKS)
+    assert list(groups["a"]) == ["experts", "wudi alone", "wudi + surgery (dev-best)", "ties + featcal (dev-best FeatCal)"]
+    assert groups["b"]["wudi + surgery (dev-best)"] == pytest.approx(68.0) and groups["a"]["experts"] == pytest.approx(90.0)

@@ -77,12 +77,34 @@ def comparison_rows(
             params = dict(summary["best"]["params"])
             n = int(summary.get("trials", {}).get("complete", 0))
             rows.append(ComparisonRow(
-                anchor, method, test, test["avg"], round(float(summary["best"]["dev_avg"]), 4),
+                anchor, method, test, test["avg"], float(summary["best"]["dev_avg"]),
                 gap(test["avg"], base, experts_avg), None if ta is None else gap(test["avg"], ta, experts_avg),
                 params, n, round(float(summary.get("trial_wall_s", {}).get("mean", 0.0)) * n, 1),
                 extra_parameters(method, params, width, n_tasks),
             ))
     return rows
+
+
+def dev_best(rows: list[ComparisonRow], methods: tuple[str, ...] = METHODS[1:]) -> ComparisonRow:
+    """The row with the highest dev score among `methods`, on a tie the one that adds fewer
+    parameters: the pick made without reading test."""
+    searched = [r for r in rows if r.method in methods and r.dev_avg is not None]
+    if not searched:
+        raise ValueError(f"no study of {list(methods)} among the rows")
+    return max(searched, key=lambda r: (r.dev_avg, -r.extra_parameters))
+
+
+def per_task_groups(rows: list[ComparisonRow], experts: Mapping[str, float], tasks: list[str]) -> dict[str, dict[str, float]]:
+    """{task: {"experts", "<anchor> alone", "<anchor> + <method> (dev-best)"[, "<anchor> + featcal
+    (dev-best FeatCal)"]}} in %: the dev-best row, its anchor alone, and FeatCal's own dev-best row
+    when another method won."""
+    best = dev_best(rows)
+    alone = next(r for r in rows if r.anchor == best.anchor and r.method == "alone")
+    shown = {f"{best.anchor} alone": alone, f"{best.anchor} + {best.method} (dev-best)": best}
+    if best.method != "featcal" and any(r.method == "featcal" for r in rows):
+        featcal = dev_best(rows, ("featcal",))
+        shown[f"{featcal.anchor} + featcal (dev-best FeatCal)"] = featcal
+    return {t: {"experts": 100 * experts[t], **{label: 100 * r.test[t] for label, r in shown.items()}} for t in tasks}
 
 
 def as_mapping(rows: list[ComparisonRow]) -> dict[str, dict[str, dict]]:
