@@ -224,7 +224,7 @@ def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_t
     assert written["test"]["avg"] == pytest.approx((written["test"]["sentiment"] + written["test"]["topic"]) / 2, abs=1e-6)
 
 
-def test_the_anchors_own_knob_is_searched_and_each_trial_calibrates_its_own_merge(project, tmp_path):
+def test_the_anchors_own_knob_is_searched_and_each_trial_calibrates_its_own_merge(project, tmp_path, monkeypatch):
     """tune.anchor_search: a trial merges base and experts with its anchor.* values, then calibrates
     (FeatCal) or trains (Surgery) on that merge; the params' options go first; data methods are refused."""
     from featcal.merging.in_memory import merge_models
@@ -255,6 +255,16 @@ def test_the_anchors_own_knob_is_searched_and_each_trial_calibrates_its_own_merg
     assert first.params == {"lr": 1e-3, "rank": 16, "iterations": 500, "anchor.scale": options["scale"]}
     assert second.params["anchor.scale"] != options["scale"] and surgery.merged_feats is not None
     assert baselines.best_config(outcome, "surgery").rank in (first.params["rank"], second.params["rank"])
+
+    # stages/tune.py reads tune.anchor_search and scores the best trial's own merge on test
+    searched = dict(params, tune={**params["tune"], "anchor_search": {"scale": [0.1, 1.0]}})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(searched, sort_keys=False))
+    summary = tmp_path / "anchor.json"
+    monkeypatch.chdir(project)
+    tune_stage.main(["--params", str(tmp_path / "params.yaml"), "--storage", storage, "--study-name", "anchor", "--n-trials", "3", "--summary", str(summary),
+                     "--score-test"])
+    written = json.loads(summary.read_text())
+    assert written["ran_now"] == 0 and "anchor.scale" in written["best"]["params"] and "avg" in written["test"]
 
     with pytest.raises(ValueError, match="needs data"):
         tune.AnchorSearch("regmean", {}, {"off_diagonal": tune.Range(0.1, 0.9)})
