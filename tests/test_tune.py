@@ -272,6 +272,32 @@ def test_the_anchors_own_knob_is_searched_and_each_trial_calibrates_its_own_merg
         tune.AnchorSearch(method, options, {"scal": tune.Range(0.1, 1.0)})
 
 
+def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project, tmp_path):
+    """stages/tune_anchor.py: the anchor merged once from compare.anchors' options, a scored study per
+    method whose first trial is the spec's (FeatCal) or the paper's (Surgery) defaults, summaries with
+    test read once; a larger --n-trials adds trials to the same studies and reuses the merge."""
+    cmd = [sys.executable, "stages/tune_anchor.py", "task_arithmetic", "--methods", "featcal", "surgery",
+           "--anchor-search", "scale=0.1:1.0", "--out", str(tmp_path / "dev"), "--work", str(tmp_path / "work")]
+    first = run([*cmd, "--n-trials", "2"], project)
+    assert "merging" in first, first
+    storage = f"sqlite:///{tmp_path / 'dev/study.db'}"
+    featcal_trials = trials_of(storage, "task_arithmetic-anchor-featcal")
+    assert featcal_trials[0].params == {"alpha": 0.25, "rho": 2.2, "ridge": 0.05, "anchor.scale": 0.3}
+    assert trials_of(storage, "task_arithmetic-anchor-surgery")[0].params["rank"] == 16
+    for method in ("featcal", "surgery"):
+        summary = json.loads((tmp_path / f"dev/task_arithmetic_{method}.json").read_text())
+        assert summary["trials"]["complete"] == 2 and set(summary["test"]) == {"avg", "sentiment", "topic"}
+    (merged,) = (tmp_path / "work").glob("task_arithmetic-*/merged")
+    params = yaml.safe_load((merged.parent / "params.yaml").read_text())
+    assert params["merge"] == {"method": "task_arithmetic", "options": {"scale": 0.3}}
+    assert params["featcal"]["calibrate_pooler"] is True
+
+    again = run([*cmd, "--n-trials", "3", "--methods", "featcal"], project)
+    assert "merging" not in again and len(trials_of(storage, "task_arithmetic-anchor-featcal")) == 3
+    assert [t.params for t in trials_of(storage, "task_arithmetic-anchor-featcal")[:2]] == \
+        [t.params for t in featcal_trials]
+
+
 def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> None:
     same = []
     for layer in ("L00", "L01"):

@@ -1,0 +1,115 @@
+"""One anchor through the tuning protocol: its merge, then a dev study per post-merge method (not a stage).
+
+    python stages/tune_anchor.py wudi                          # FeatCal, Surgery, ProbSurgery on WUDI
+    python stages/tune_anchor.py task_arithmetic --anchor-search scale=0.1:1.0 --n-trials 48
+
+The anchor is merged once with `compare.anchors.<anchor>`'s options (`stages/merge.py` on a params
+file naming it, kept under --work and reused while those options stay the same); then, for each
+method, `stages/tune.py --method <m> --score-test` runs a seeded, resumable study of --n-trials
+(default `tune.n_trials`) scored on dev, reads test once for the dev-best configuration and writes
+`<out>/<anchor>_<method>.json` (what `stages/compare_tuned.py` tabulates). Every study of the
+comparison starts from the same place: FeatCal's first trial is the spec's defaults (α 0.25, ρ 2.2,
+λ 0.05) with the pooler calibrated, Surgery's and ProbSurgery's their papers' defaults; the ranges
+are `tune.search`'s and the baselines' own. `--anchor-search` also searches the anchor's options
+(`tune.anchor_search`; data-free anchors). The experts' cached features come from the pipeline
+(`make repro` first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from common import get, load_params
+
+from featcal.calibration.config import FeatCalConfig
+from featcal.tuning.comparison import METHODS
+
+STAGES = Path(__file__).resolve().parent
+
+
+def anchor_params(params: dict, anchor: str, searched: dict[str, list[float]], pooler: bool) -> dict:
+    """The project's params with the anchor as the merge, FeatCal at the spec's defaults (the first
+    trial) and the anchor's searched options, paths made absolute for a run from another folder."""
+    anchors = get(params, "compare.anchors")
+    if anchor not in anchors:
+        raise SystemExit(f"tune_anchor: {anchor!r} is not in compare.anchors ({', '.join(anchors)})")
+    spec = FeatCalConfig()
+    out = json.loads(json.dumps(params))   # a deep copy
+    out["merge"] = {"method": anchor, "options": dict(anchors[anchor] or {})}
+    out["featcal"].update(alpha=spec.alpha, rho=spec.rho, ridge=spec.ridge, calibrate_pooler=pooler, use_tuned=False)
+    out["tune"]["anchor_search"] = searched
+    out["tasks_dir"] = str(Path(get(params, "tasks_dir")).resolve())
+    return out
+
+
+def parse_search(items: list[str]) -> dict[str, list[float]]:
+    """KEY=LOW:HIGH items as tune.anchor_search ranges."""
+    out = {}
+    for item in items:
+        key, _, span = item.partition("=")
+        low, _, high = span.partition(":")
+        try:
+            out[key] = [float(low), float(high)]
+        except ValueError:
+            raise SystemExit(f"tune_anchor: --anchor-search {item!r}: expected KEY=LOW:HIGH, e.g. scale=0.1:1.0") from None
+    return out
+
+
+def run(cmd: list[str], cwd: Path, log: Path) -> None:
+    """Run a stage script in `cwd`, its output in `log`; a failure exits with the log's tail."""
+    with open(log, "w") as out:
+        code = subprocess.run(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise SystemExit(f"tune_anchor: {' '.join(cmd[1:3])} failed ({code}); log {log}:\n{log.read_text()[-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("anchor", help="a registry name of compare.anchors (its options are the merge's)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS[1:], default=list(METHODS[1:]))
+    parser.add_argument("--n-trials", type=int, help="trials per study (default tune.n_trials); raising it resumes")
+    parser.add_argument("--anchor-search", nargs="*", default=[], metavar="KEY=LOW:HIGH",
+                        help="also search these options of the anchor (tune.anchor_search)")
+    parser.add_argument("--no-pooler", action="store_true", help="FeatCal leaves the pooler as merged")
+    parser.add_argument("--experts", default="experts", help="folder of the experts")
+    parser.add_argument("--features", default="features/experts", help="the experts' cached calibration features")
+    parser.add_argument("--out", default="results/dev_tuning", help="where <anchor>_<method>.json are written")
+    parser.add_argument("--storage", help="Optuna storage (default: sqlite at <out>/study.db)")
+    parser.add_argument("--work", default="work/anchors", help="where each anchor's params and merge are kept")
+    args = parser.parse_args()
+    params = load_params()
+    searched = parse_search(args.anchor_search)
+    local = anchor_params(params, args.anchor, searched, pooler=not args.no_pooler)
+    options = json.dumps(local["merge"], sort_keys=True)
+    folder = (Path(args.work) / f"{args.anchor}-{hashlib.sha1(options.encode()).hexdigest()[:8]}").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "params.yaml").write_text(yaml.safe_dump(local, sort_keys=False))
+    experts, features, out = (Path(p).resolve() for p in (args.experts, args.features, args.out))
+    out.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or f"sqlite:///{out / 'study.db'}"
+    merged = folder / "merged"
+    if not merged.exists():   # the merge stage writes its folder whole or not at all
+        print(f"{args.anchor}: merging with {local['merge']['options']} -> {merged}", flush=True)
+        run([sys.executable, str(STAGES / "merge.py"), "--experts", str(experts), "--out", str(merged),
+             "--record", str(folder / "record")], folder, folder / "merge.log")
+    tag = "-anchor" if searched else ""
+    for method in args.methods:
+        study = f"{args.anchor}{tag}-{method}"
+        print(f"{args.anchor}: {method} study {study}", flush=True)
+        run([sys.executable, str(STAGES / "tune.py"), "--params", str(folder / "params.yaml"), "--merged", str(merged),
+             "--experts", str(experts), "--features", str(features), "--storage", storage, "--study-name", study,
+             *(["--n-trials", str(args.n_trials)] if args.n_trials else []), "--method", method,
+             "--summary", str(out / f"{args.anchor}_{method}.json"), "--score-test"], folder, folder / f"{method}.log")
+        summary = json.loads((out / f"{args.anchor}_{method}.json").read_text())
+        print(f"  dev-best {summary['best']['dev_avg']:.4f} {summary['best']['params']}; test {summary['test']['avg']:.4f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
