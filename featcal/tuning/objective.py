@@ -69,7 +69,7 @@ class SearchSpace:
     """The hyperparameters searched and their ranges; the others keep their FeatCalConfig value."""
 
     ranges: Mapping[str, Range] = field(default_factory=lambda: {
-        "alpha": Range(0.0, 1.0), "rho": Range(0.5, 3.0), "ridge": Range(1e-3, 1.0, log=True)})
+        "alpha": Range(0.0, 1.0), "rho": Range(0.5, 3.0), "ridge": Range(1e-5, 1.0, log=True)})
 
     def __post_init__(self) -> None:
         bad = set(self.ranges) - set(HYPER_KEYS)

@@ -431,11 +431,16 @@ def best_values(study: optuna.Study, base: FeatCalConfig) -> dict[str, float]:
 
 
 def write_best(path: str | os.PathLike, study: optuna.Study, base: FeatCalConfig) -> dict:
-    """Write `featcal: {alpha, rho, ridge}` (the best trial's values) plus where they came from."""
+    """Write `featcal: {alpha, rho, ridge}` (the best trial's values to 12 significant digits) plus
+    where they came from.
+
+    12 digits, not 17: DVC records the file's values in dvc.lock through ruamel, whose round trip of
+    a 17-digit float in exponent form (a λ below 1e-4) moves its last digit; the lock would then
+    never match the file and `dvc status` would call the calibration changed forever."""
     from featcal.io.models import atomic_file
 
     summary = summarize(study)
-    doc = {"featcal": best_values(study, base),
+    doc = {"featcal": {k: float(f"{v:.12g}") for k, v in best_values(study, base).items()},
            "study": {"name": study.study_name, "best_trial": summary["best"]["trial"],
                      "dev_avg": summary["best"]["dev_avg"], "trials": summary["trials"]}}
     header = ("# Written by featcal.tuning.write_best: the best trial's values (highest mean dev accuracy).\n"
