@@ -57,11 +57,14 @@ def project_env() -> dict[str, str]:
                 PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
-def dvc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m dvc ...` with the project's interpreter, output captured."""
-    proc = subprocess.run([sys.executable, "-m", "dvc", *args], env=project_env(), capture_output=True, text=True)
+def dvc(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m dvc ...` with the project's interpreter (in `cwd`, default here), output captured."""
+    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=project_env(), capture_output=True,
+                          text=True)
     if check and proc.returncode != 0:
-        raise SystemExit(f"dvc {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        where = f" in {cwd}" if cwd is not None else ""
+        raise SystemExit(f"dvc {' '.join(args)}{where} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}")
     return proc
 
 

@@ -85,16 +85,7 @@ def clone_demo(clone: Path) -> None:
     cache = dvc("cache", "dir").stdout.strip()
     for args in (["config", "--local", "cache.dir", cache], ["config", "--local", "cache.type", "hardlink"],
                  ["checkout", "--quiet"], ["config", "--local", "--unset", "cache.type"]):
-        run_in(clone, *args)
-
-
-def run_in(cwd: Path, *args: str) -> float:
-    """`python -m dvc <args>` in `cwd`; its wall seconds (a failure exits with its output)."""
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, env=project_env(), capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"dvc {' '.join(args)} in {cwd} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return time.perf_counter() - start
+        dvc(*args, cwd=clone)
 
 
 def dvc_own_time(alpha: float) -> dict:
@@ -104,11 +95,13 @@ def dvc_own_time(alpha: float) -> dict:
         work.mkdir()
         clone_demo(clone)
         replaced = stand_in_pipeline(clone, work)
-        run_in(clone, "repro", "--quiet")          # the stand-in commands recorded once (the demo's α)
+        dvc("repro", "--quiet", cwd=clone)          # the stand-in commands recorded once (the demo's α)
         subprocess.run(["git", "commit", "-qam", "stand-in stages"], cwd=clone, check=True)
         (work / "writers.log").write_text("")
         with run_cache_set_aside(Path(tmp) / "runs"):
-            wall = run_in(clone, "exp", "run", "-S", f"featcal.alpha={alpha}")
+            start = time.perf_counter()
+            dvc("exp", "run", "-S", f"featcal.alpha={alpha}", cwd=clone)
+            wall = time.perf_counter() - start
         writers = dict(line.split() for line in (work / "writers.log").read_text().splitlines())
     if sorted(writers) != replaced:
         raise SystemExit(f"alpha_rerun_floor: the experiment ran {sorted(writers)}, expected {replaced}")

@@ -110,6 +110,11 @@ def anchor_search(params: dict):
     return AnchorSearch(method, options, {k: Range.parse(f"anchor_search.{k}", v) for k, v in ranges.items()})
 
 
+def best_merge(problem, anchor, study):
+    """The merge of the study's best trial (None without an anchor search: the loaded merged model)."""
+    return problem.merged_with(anchor, anchor.options_of(study.best_trial.params)) if anchor is not None else None
+
+
 def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_trials: int, params: dict,
                              tasks: list[str], anchor) -> None:
     """A post-merge baseline's study (same problem, same budget), its summary and, once, its test scores."""
@@ -122,7 +127,7 @@ def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_tri
         summary = dict(outcome.summary)
         if args.score_test:
             if anchor is not None:
-                baseline.use_merged(problem.merged_with(anchor, anchor.options_of(outcome.study.best_trial.params)))
+                baseline.use_merged(best_merge(problem, anchor, outcome.study))
             summary["test"] = test_summary(baseline.score(baseline.train(best_config(outcome, args.method)),
                                                           test_splits(params, tasks)))
         write_json(args.summary, summary)
@@ -170,9 +175,8 @@ def main(argv: list[str] | None = None) -> None:
                 from featcal.tuning import best_values
 
                 config = dataclasses.replace(base, **best_values(outcome.study, base))
-                merged = problem.merged_with(anchor, anchor.options_of(outcome.study.best_trial.params)) if anchor else None
-                outcome.summary["test"] = test_summary(problem.score(problem.calibrate(config, merged=merged),
-                                                                     test_splits(params, tasks)))
+                outcome.summary["test"] = test_summary(problem.score(
+                    problem.calibrate(config, merged=best_merge(problem, anchor, outcome.study)), test_splits(params, tasks)))
             write_json(args.summary, outcome.summary)
             if args.history_plot:
                 from featcal.evaluation.plots import plot_study   # matplotlib: only the stage draws

@@ -110,7 +110,7 @@ def tune_baseline(problem: BaselineProblem, kind: str, storage: str, study_name:
     def objective(trial: Trial) -> float:
         config = replace(base, **{name: knob.suggest(trial, name) for name, knob in space.items()})
         if anchor is not None:
-            problem.use_merged(problem.problem.merged_with(anchor, {**anchor.options, **anchor.suggest(trial)}))
+            problem.use_merged(problem.problem.merged_with(anchor, anchor.suggest_options(trial)))
         dev = problem.score(problem.train(config))
         trial.set_user_attr("dev", {t: round(v, 6) for t, v in dev.items()})
         return sum(dev.values()) / len(dev)

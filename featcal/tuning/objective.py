@@ -115,8 +115,10 @@ class AnchorSearch:
             for value in (rng.low, rng.high):
                 build_options(self.method, {**self.options, key: value})
 
-    def suggest(self, trial: Trial) -> dict[str, float]:
-        return {k: trial.suggest_float(self.PREFIX + k, r.low, r.high, log=r.log) for k, r in self.ranges.items()}
+    def suggest_options(self, trial: Trial) -> dict[str, object]:
+        """The merge options of this trial: its `anchor.*` suggestions over the fixed ones."""
+        searched = {k: trial.suggest_float(self.PREFIX + k, r.low, r.high, log=r.log) for k, r in self.ranges.items()}
+        return {**self.options, **searched}
 
     def defaults(self) -> dict[str, float]:
         """The fixed options' values of the searched knobs (method defaults where not given), as
@@ -198,12 +200,13 @@ class TuneProblem:
         search); the last merge is kept, so trials with the same options merge once."""
         if anchor is None:
             return self.merged
-        key = (anchor.method, repr(sorted(dict(options or {}).items())))
+        options = dict(options or {})
+        key = (anchor.method, repr(sorted(options.items())))
         if self._last_merge is None or self._last_merge[0] != key:
             from featcal.merging.in_memory import merge_models
 
             self._last_merge = None   # the previous merge freed before the next is built
-            merged = merge_models(self.base, self.experts, anchor.method, dict(options or {}))
+            merged = merge_models(self.base, self.experts, anchor.method, options)
             self._last_merge = (key, self.family.backbone(merged).eval())
         return self._last_merge[1]
 
@@ -319,7 +322,7 @@ def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig
         merged = None
         if anchor is not None:
             start = time.perf_counter()
-            merged = problem.merged_with(anchor, {**anchor.options, **anchor.suggest(trial)})
+            merged = problem.merged_with(anchor, anchor.suggest_options(trial))
             trial.set_user_attr("merge_s", round(time.perf_counter() - start, 3))
 
         def after_block(k: int, backbone: nn.Module) -> None:
