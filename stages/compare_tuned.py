@@ -21,7 +21,7 @@ from common import enabled_tasks, get, load_params
 
 from featcal.evaluation.plots import plot_grouped_bars, plot_study
 from featcal.io.models import write_json
-from featcal.tuning.comparison import METHODS, as_mapping, comparison_rows, dev_best, markdown_table, per_task_groups
+from featcal.tuning.comparison import COMPARED, FEATCAL_PIPELINES, as_mapping, comparison_rows, dev_best, markdown_table, per_task_groups
 
 
 def main() -> None:
@@ -41,13 +41,13 @@ def main() -> None:
     anchors = list(get(params, "compare.anchors"))
     studies = {}
     for anchor in anchors:
-        for method in METHODS[1:]:
+        for method in COMPARED[1:]:
             path = Path(args.studies) / f"{anchor}_{method}.json"
             if path.exists():
                 studies[(anchor, method)] = json.loads(path.read_text())
     if not studies:
         raise SystemExit(f"compare_tuned: no <anchor>_<method>.json summaries in {args.studies} "
-                         f"(anchors {anchors}, methods {list(METHODS[1:])})")
+                         f"(anchors {anchors}, methods {list(COMPARED[1:])})")
     compared = json.loads(Path(args.alone).read_text())
     alone = {a: compared["anchors"][a]["merged"] for a in anchors if a in compared.get("anchors", {})}
     width = json.loads((Path(args.experts) / tasks[0] / "config.json").read_text())["hidden_size"]
@@ -55,20 +55,20 @@ def main() -> None:
         rows = comparison_rows(compared["experts"]["avg"], alone, studies, width, len(tasks))
     except ValueError as err:
         raise SystemExit(f"compare_tuned: {err}") from None
-    best, best_featcal = dev_best(rows), dev_best(rows, ("featcal",))
+    best, best_featcal = dev_best(rows), dev_best(rows, FEATCAL_PIPELINES)
     write_json(args.out, {"experts": compared["experts"], "tasks": tasks, "anchors": as_mapping(rows),
                           "dev_best": {"anchor": best.anchor, "method": best.method},
-                          "dev_best_featcal": {"anchor": best_featcal.anchor, "method": "featcal"}})
+                          "dev_best_featcal": {"anchor": best_featcal.anchor, "method": best_featcal.method}})
     Path(args.table).write_text(markdown_table(rows, tasks))
     plots = Path(args.plots)
     plot_grouped_bars(per_task_groups(rows, compared["experts"], tasks), plots / "compare_tuned_per_task.png",
                       "test accuracy (%)", title=f"chosen on dev: {best.anchor} + {best.method}")
-    summary = studies[(best_featcal.anchor, "featcal")]
+    summary = studies[(best_featcal.anchor, best_featcal.method)]
     plot_study(optuna.load_study(study_name=summary["study"], storage=summary["storage"]),
                plots / "compare_tuned_featcal_history.png", plots / "compare_tuned_featcal_importance.png")
     print(markdown_table(rows, tasks))
     print(f"dev-best: {best.anchor} + {best.method} (test {best.test_avg}); "
-          f"dev-best FeatCal: {best_featcal.anchor} (study {summary['study']})")
+          f"dev-best FeatCal: {best_featcal.anchor} + {best_featcal.method} (study {summary['study']})")
 
 
 if __name__ == "__main__":

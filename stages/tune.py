@@ -106,8 +106,8 @@ def anchor_search(params: dict):
     if not ranges:
         return None
     method = get(params, "merge.method")
-    options, _data = split_options(method, get(params, "merge.options", {}) or {})
-    return AnchorSearch(method, options, {k: Range.parse(f"anchor_search.{k}", v) for k, v in ranges.items()})
+    options, data = split_options(method, get(params, "merge.options", {}) or {})
+    return AnchorSearch(method, options, {k: Range.parse(f"anchor_search.{k}", v) for k, v in ranges.items()}, data)
 
 
 def best_merge(problem, anchor, study):

@@ -2,6 +2,7 @@
 
     python stages/tune_anchor.py wudi                          # FeatCal, Surgery, ProbSurgery on WUDI
     python stages/tune_anchor.py task_arithmetic --anchor-search scale=0.1:1.0 --n-trials 48
+    python stages/tune_anchor.py ties --sigmerge                # SigMerge(TIES) + FeatCal, (c_min, c_max) searched
 
 The anchor is merged once with `compare.anchors.<anchor>`'s options (`stages/merge.py` on a params
 file naming it, kept under --work and reused while those options stay the same); then, for each
@@ -11,8 +12,10 @@ method, `stages/tune.py --method <m> --score-test` runs a seeded, resumable stud
 comparison starts from the same place: FeatCal's first trial is the spec's defaults (α 0.25, ρ 2.2,
 λ 0.05) with the pooler calibrated, Surgery's and ProbSurgery's their papers' defaults; the ranges
 are `tune.search`'s and the baselines' own. `--anchor-search` also searches the anchor's options
-(`tune.anchor_search`; data-free anchors). The experts' cached features come from the pipeline
-(`make repro` first).
+(`tune.anchor_search`; data-free anchors). `--sigmerge` studies SigMerge(anchor) + FeatCal instead:
+SigMerge repairs the anchor (at its compare.anchors options) and each trial searches its (c_min,
+c_max) (default: over compare.sigmerge.grid's span) next to FeatCal's values; the summary is
+`<anchor>_sigmerge_featcal.json`. The experts' cached features come from the pipeline (`make repro` first).
 """
 
 from __future__ import annotations
@@ -33,15 +36,21 @@ from featcal.tuning.comparison import METHODS
 STAGES = Path(__file__).resolve().parent
 
 
-def anchor_params(params: dict, anchor: str, searched: dict[str, list[float]], pooler: bool) -> dict:
-    """The project's params with the anchor as the merge, FeatCal at the spec's defaults (the first
-    trial) and the anchor's searched options, paths made absolute for a run from another folder."""
+def anchor_params(params: dict, anchor: str, searched: dict[str, list[float]], pooler: bool,
+                  sigmerge: bool = False) -> dict:
+    """The project's params with the anchor as the merge (with `sigmerge`, SigMerge repairing it at
+    SigMerge's defaults), FeatCal at the spec's defaults (the first trial) and the searched options,
+    paths made absolute for a run from another folder."""
     anchors = get(params, "compare.anchors")
     if anchor not in anchors:
         raise SystemExit(f"tune_anchor: {anchor!r} is not in compare.anchors ({', '.join(anchors)})")
     spec = FeatCalConfig()
     out = json.loads(json.dumps(params))   # a deep copy
     out["merge"] = {"method": anchor, "options": dict(anchors[anchor] or {})}
+    if sigmerge:
+        out["merge"] = {"method": "sigmerge", "options": {
+            "anchor": anchor, "anchor_options": dict(anchors[anchor] or {}),
+            "shared_examples_per_task": int(get(params, "compare.sigmerge.shared_examples_per_task"))}}
     out["featcal"].update(alpha=spec.alpha, rho=spec.rho, ridge=spec.ridge, calibrate_pooler=pooler, use_tuned=False)
     out["tune"]["anchor_search"] = searched
     out["tasks_dir"] = str(Path(get(params, "tasks_dir")).resolve())
@@ -61,6 +70,13 @@ def parse_search(items: list[str]) -> dict[str, list[float]]:
     return out
 
 
+def sigmerge_search(params: dict) -> dict[str, list[float]]:
+    """SigMerge's (c_min, c_max) searched over the span of `compare.sigmerge.grid`."""
+    grid = get(params, "compare.sigmerge.grid")
+    return {"c_min": [min(c for c, _ in grid), max(c for c, _ in grid)],
+            "c_max": [min(c for _, c in grid), max(c for _, c in grid)]}
+
+
 def run(cmd: list[str], cwd: Path, log: Path) -> None:
     """Run a stage script in `cwd`, its output in `log`; a failure exits with the log's tail."""
     with open(log, "w") as out:
@@ -72,11 +88,14 @@ def run(cmd: list[str], cwd: Path, log: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("anchor", help="a registry name of compare.anchors (its options are the merge's)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS[1:], default=list(METHODS[1:]))
+    parser.add_argument("--methods", nargs="+", choices=METHODS[1:], help="default: all (with --sigmerge: featcal)")
     parser.add_argument("--n-trials", type=int, help="trials per study (default tune.n_trials); raising it resumes")
     parser.add_argument("--anchor-search", nargs="*", default=[], metavar="KEY=LOW:HIGH",
                         help="also search these options of the anchor (tune.anchor_search)")
     parser.add_argument("--no-pooler", action="store_true", help="FeatCal leaves the pooler as merged")
+    parser.add_argument("--sigmerge", action="store_true",
+                        help="SigMerge(anchor) + FeatCal: SigMerge repairs the anchor, its (c_min, c_max) searched "
+                             "(default: over compare.sigmerge.grid's span) next to FeatCal's values")
     parser.add_argument("--experts", default="experts", help="folder of the experts")
     parser.add_argument("--features", default="features/experts", help="the experts' cached calibration features")
     parser.add_argument("--out", default="results/dev_tuning", help="where <anchor>_<method>.json are written")
@@ -84,10 +103,14 @@ def main() -> None:
     parser.add_argument("--work", default="work/anchors", help="where each anchor's params and merge are kept")
     args = parser.parse_args()
     params = load_params()
-    searched = parse_search(args.anchor_search)
-    local = anchor_params(params, args.anchor, searched, pooler=not args.no_pooler)
+    searched = parse_search(args.anchor_search) or (sigmerge_search(params) if args.sigmerge else {})
+    methods = args.methods or (["featcal"] if args.sigmerge else list(METHODS[1:]))
+    if args.sigmerge and methods != ["featcal"]:
+        raise SystemExit("tune_anchor: --sigmerge studies SigMerge(anchor) + FeatCal only (--methods featcal)")
+    local = anchor_params(params, args.anchor, searched, pooler=not args.no_pooler, sigmerge=args.sigmerge)
     options = json.dumps(local["merge"], sort_keys=True)
-    folder = (Path(args.work) / f"{args.anchor}-{hashlib.sha1(options.encode()).hexdigest()[:8]}").resolve()
+    name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
+    folder = (Path(args.work) / f"{name}-{hashlib.sha1(options.encode()).hexdigest()[:8]}").resolve()
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "params.yaml").write_text(yaml.safe_dump(local, sort_keys=False))
     experts, features, out = (Path(p).resolve() for p in (args.experts, args.features, args.out))
@@ -95,18 +118,19 @@ def main() -> None:
     storage = args.storage or f"sqlite:///{out / 'study.db'}"
     merged = folder / "merged"
     if not merged.exists():   # the merge stage writes its folder whole or not at all
-        print(f"{args.anchor}: merging with {local['merge']['options']} -> {merged}", flush=True)
+        print(f"{name}: merging with {local['merge']['options']} -> {merged}", flush=True)
         run([sys.executable, str(STAGES / "merge.py"), "--experts", str(experts), "--out", str(merged),
              "--record", str(folder / "record")], folder, folder / "merge.log")
-    tag = "-anchor" if searched else ""
-    for method in args.methods:
-        study = f"{args.anchor}{tag}-{method}"
-        print(f"{args.anchor}: {method} study {study}", flush=True)
+    tag = "-anchor" if searched and not args.sigmerge else ""
+    for method in methods:
+        study = f"{name}{tag}-{method}"
+        key = f"sigmerge_{method}" if args.sigmerge else method   # the comparison's method name
+        print(f"{name}: {method} study {study}", flush=True)
         run([sys.executable, str(STAGES / "tune.py"), "--params", str(folder / "params.yaml"), "--merged", str(merged),
              "--experts", str(experts), "--features", str(features), "--storage", storage, "--study-name", study,
              *(["--n-trials", str(args.n_trials)] if args.n_trials else []), "--method", method,
-             "--summary", str(out / f"{args.anchor}_{method}.json"), "--score-test"], folder, folder / f"{method}.log")
-        summary = json.loads((out / f"{args.anchor}_{method}.json").read_text())
+             "--summary", str(out / f"{args.anchor}_{key}.json"), "--score-test"], folder, folder / f"{method}.log")
+        summary = json.loads((out / f"{args.anchor}_{key}.json").read_text())
         print(f"  dev-best {summary['best']['dev_avg']:.4f} {summary['best']['params']}; test {summary['test']['avg']:.4f}",
               flush=True)
 

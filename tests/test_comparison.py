@@ -2,8 +2,8 @@
 
 import pytest
 
-from featcal.tuning.comparison import (as_mapping, comparison_rows, dev_best, extra_parameters, gap, markdown_table,
-                                       per_task_groups)
+from featcal.tuning.comparison import (FEATCAL_PIPELINES, as_mapping, comparison_rows, dev_best, extra_parameters, gap,
+                                       markdown_table, per_task_groups)
 
 TASKS = ["a", "b"]
 
@@ -63,3 +63,17 @@ def test_dev_picks_the_best_dev_row_and_on_a_tie_the_one_adding_fewer_parameters
     groups = per_task_groups(rows, {"a": 0.9, "b": 0.8}, TASKS)
     assert list(groups["a"]) == ["experts", "wudi alone", "wudi + surgery (dev-best)", "ties + featcal (dev-best FeatCal)"]
     assert groups["b"]["wudi + surgery (dev-best)"] == pytest.approx(68.0) and groups["a"]["experts"] == pytest.approx(90.0)
+
+
+def test_sigmerge_featcal_is_a_row_of_its_anchor_and_a_featcal_pipeline_for_the_default():
+    alone = {"ties": {"avg": 0.7, "a": 0.7, "b": 0.7}}
+    studies = {("ties", "featcal"): summary(0.751, 0.74, {"alpha": 0.3}),
+               ("ties", "sigmerge_featcal"): summary(0.755, 0.73, {"alpha": 0.3, "anchor.c_min": 0.02, "anchor.c_max": 0.2}),
+               ("ties", "surgery"): summary(0.76, 0.69, {"rank": 4})}
+    rows = comparison_rows(0.8, alone, studies, width=16, n_tasks=2)
+    assert [r.method for r in rows] == ["alone", "featcal", "surgery", "sigmerge_featcal"]
+    assert rows[3].extra_parameters == 0 and rows[3].hyperparameters["anchor.c_max"] == 0.2
+    assert dev_best(rows).method == "surgery"
+    assert (dev_best(rows, FEATCAL_PIPELINES).method, dev_best(rows, ("featcal",)).dev_avg) == ("sigmerge_featcal", 0.751)
+    groups = per_task_groups(rows, {"a": 0.9, "b": 0.8}, TASKS)
+    assert list(groups["a"])[-1] == "ties + sigmerge_featcal (dev-best FeatCal)"

@@ -273,6 +273,58 @@ def test_the_anchors_own_knob_is_searched_and_each_trial_calibrates_its_own_merg
         tune.AnchorSearch(method, options, {"scal": tune.Range(0.1, 1.0)})
 
 
+def test_sigmerge_repairs_the_anchor_in_each_trial_with_its_own_capacities_from_what_the_problem_holds(project, tmp_path):
+    """SigMerge(anchor) + FeatCal: (c_min, c_max) searched per trial; its dev deficits come from the
+    problem's dev scoring (the inner anchor scored once for all trials, each expert once on its own
+    task) and its shared examples are each task's first calibration examples."""
+    from featcal.merging.in_memory import merge_models
+    from featcal.merging.registry import MergeContext
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    problem, base = problem_of(project, params), FeatCalConfig.from_mapping(params["featcal"])
+    options = {"anchor": "task_arithmetic", "anchor_options": {"scale": 0.02}}   # far from the experts: deficits
+    anchor = tune.AnchorSearch("sigmerge", options, {"c_min": tune.Range(0.005, 0.05), "c_max": tune.Range(0.05, 0.3)},
+                               {"shared_examples_per_task": 5})
+    # the tiny experts are at chance on dev like the anchor: they score perfectly here, so that every
+    # task has a deficit and SigMerge admits coordinates
+    scored, score = [], problem.score
+    expert_backbones = {id(problem.family.backbone(m)) for m in problem.experts.values()}
+
+    def counted_score(backbone, splits=None):
+        scored.append(1)
+        return {t: 1.0 for t in problem.dev} if id(backbone) in expert_backbones else score(backbone, splits)
+
+    problem.score = counted_score
+    storage = f"sqlite:///{tmp_path / 'sigmerge.db'}"
+    tune.tune(problem, base, tune.SearchSpace(), storage, "sigmerge", 3, tune.StudySettings(startup_trials=2), anchor)
+    trials = trials_of(storage, "sigmerge")
+    assert {k: trials[0].params[k] for k in ("anchor.c_min", "anchor.c_max")} == {"anchor.c_min": 0.02, "anchor.c_max": 0.2}
+    assert len({(t.params["anchor.c_min"], t.params["anchor.c_max"]) for t in trials}) == 3
+    # 3 trials: 2 experts + the inner TA anchor once + 3 calibrated models, not 3 x (2 + 1) + 3
+    assert len(scored) == 2 + 1 + 3
+
+    context = problem.merge_context(anchor)
+    shared = context.shared_batches
+    assert sum(len(b["input_ids"]) for b in shared) == 2 * 5
+    first = problem.batches["sentiment"][0]
+    assert torch.equal(shared[0]["input_ids"], first["input_ids"][:5])
+    ta = merge_models(problem.base, problem.experts, "task_arithmetic", {"scale": 0.02})
+    assert context.score_dev(problem.family.backbone(ta)) == score(problem.family.backbone(ta))
+    assert context.expert_dev == {t: 1.0 for t in problem.experts}
+
+    # the trial's merge is SigMerge's own with the trial's capacities, and it moves the anchor
+    last = trials[-1]
+    wanted = {**options, "c_min": last.params["anchor.c_min"], "c_max": last.params["anchor.c_max"]}
+    record = MergeContext(score_dev=score, expert_dev=context.expert_dev, shared_batches=shared)
+    reference = merge_models(problem.base, problem.experts, "sigmerge", wanted, record)
+    merged = problem.merged_with(anchor, anchor.options_of(last.params))
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), reference.state_dict().values()))
+    assert record.record["total_admitted"] > 0
+    assert not all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), ta.state_dict().values()))
+    with pytest.raises(ValueError, match="needs data"):
+        tune.AnchorSearch("adamerging", {}, {"lr": tune.Range(1e-4, 1e-2)})
+
+
 def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project, tmp_path):
     """stages/tune_anchor.py: the anchor merged once from compare.anchors' options, a scored study per
     method whose first trial is the spec's (FeatCal) or the paper's (Surgery) defaults, summaries with
@@ -297,6 +349,19 @@ def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project,
     assert "merging" not in again and len(trials_of(storage, "task_arithmetic-anchor-featcal")) == 3
     assert [t.params for t in trials_of(storage, "task_arithmetic-anchor-featcal")[:2]] == \
         [t.params for t in featcal_trials]
+
+    # SigMerge(anchor) + FeatCal: SigMerge's defaults first, (c_min, c_max) over compare.sigmerge.grid's span
+    run([sys.executable, "stages/tune_anchor.py", "task_arithmetic", "--sigmerge", "--n-trials", "1",
+         "--out", str(tmp_path / "dev"), "--work", str(tmp_path / "work")], project)
+    (trial,) = trials_of(storage, "task_arithmetic-sigmerge-featcal")
+    assert trial.params == {"alpha": 0.25, "rho": 2.2, "ridge": 0.05, "anchor.c_min": 0.02, "anchor.c_max": 0.2}
+    summary = json.loads((tmp_path / "dev/task_arithmetic_sigmerge_featcal.json").read_text())
+    assert set(summary["test"]) == {"avg", "sentiment", "topic"}
+    (sigmerged,) = (tmp_path / "work").glob("task_arithmetic-sigmerge-*/merged")
+    params = yaml.safe_load((sigmerged.parent / "params.yaml").read_text())
+    assert params["merge"] == {"method": "sigmerge", "options": {
+        "anchor": "task_arithmetic", "anchor_options": {"scale": 0.3}, "shared_examples_per_task": 4}}
+    assert params["tune"]["anchor_search"] == {"c_min": [0.01, 0.05], "c_max": [0.05, 0.3]}
 
 
 def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> None:

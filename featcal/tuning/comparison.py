@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
-METHODS = ("alone", "featcal", "surgery", "probsurgery")
+METHODS = ("alone", "featcal", "surgery", "probsurgery")   # the anchor alone, and the post-merge methods
+SIGMERGE_FEATCAL = "sigmerge_featcal"   # SigMerge repairing the anchor, then FeatCal (its own study)
+COMPARED = METHODS + (SIGMERGE_FEATCAL,)
+FEATCAL_PIPELINES = ("featcal", SIGMERGE_FEATCAL)   # the models FeatCal makes: the default pipeline's candidates
 REFERENCE_ANCHOR = "task_arithmetic"
 
 
@@ -66,7 +69,7 @@ def comparison_rows(
         base = alone[anchor]["avg"]
         rows.append(ComparisonRow(anchor, "alone", dict(alone[anchor]), base, None, 0.0,
                                   None if ta is None else gap(base, ta, experts_avg)))
-        for method in METHODS[1:]:
+        for method in COMPARED[1:]:
             summary = studies.get((anchor, method))
             if summary is None:
                 continue
@@ -85,7 +88,7 @@ def comparison_rows(
     return rows
 
 
-def dev_best(rows: list[ComparisonRow], methods: tuple[str, ...] = METHODS[1:]) -> ComparisonRow:
+def dev_best(rows: list[ComparisonRow], methods: tuple[str, ...] = COMPARED[1:]) -> ComparisonRow:
     """The row with the highest dev score among `methods`, on a tie the one that adds fewer
     parameters: the pick made without reading test."""
     searched = [r for r in rows if r.method in methods and r.dev_avg is not None]
@@ -95,15 +98,15 @@ def dev_best(rows: list[ComparisonRow], methods: tuple[str, ...] = METHODS[1:]) 
 
 
 def per_task_groups(rows: list[ComparisonRow], experts: Mapping[str, float], tasks: list[str]) -> dict[str, dict[str, float]]:
-    """{task: {"experts", "<anchor> alone", "<anchor> + <method> (dev-best)"[, "<anchor> + featcal
-    (dev-best FeatCal)"]}} in %: the dev-best row, its anchor alone, and FeatCal's own dev-best row
-    when another method won."""
+    """{task: {"experts", "<anchor> alone", "<anchor> + <method> (dev-best)"[, "<anchor> + <featcal
+    pipeline> (dev-best FeatCal)"]}} in %: the dev-best row, its anchor alone, and FeatCal's own
+    dev-best row when another method won."""
     best = dev_best(rows)
     alone = next(r for r in rows if r.anchor == best.anchor and r.method == "alone")
     shown = {f"{best.anchor} alone": alone, f"{best.anchor} + {best.method} (dev-best)": best}
-    if best.method != "featcal" and any(r.method == "featcal" for r in rows):
-        featcal = dev_best(rows, ("featcal",))
-        shown[f"{featcal.anchor} + featcal (dev-best FeatCal)"] = featcal
+    if best.method not in FEATCAL_PIPELINES and any(r.method in FEATCAL_PIPELINES for r in rows):
+        featcal = dev_best(rows, FEATCAL_PIPELINES)
+        shown[f"{featcal.anchor} + {featcal.method} (dev-best FeatCal)"] = featcal
     return {t: {"experts": 100 * experts[t], **{label: 100 * r.test[t] for label, r in shown.items()}} for t in tasks}
 
 

@@ -34,6 +34,7 @@ from featcal.data.encoders import InputEncoder, load_encoder
 from featcal.io.models import load_backbone, load_classifier
 from featcal.io.feature_store import read_group
 from featcal.calibration.walk import CachedExpertStates, ModuleWeights, states_of, walk_all
+from featcal.merging.registry import MergeContext, data_options, get_method
 
 log = logging.getLogger(__name__)
 
@@ -89,26 +90,34 @@ class SearchSpace:
         return all(values[k] in r for k, r in self.ranges.items())
 
 
+# the needs of a data merge a TuneProblem supplies from what it holds (`TuneProblem.merge_context`)
+SUPPLIED_NEEDS = frozenset({"dev_scores", "shared_examples"})
+
+
 @dataclass(frozen=True)
 class AnchorSearch:
-    """The anchor merge's own knobs (TA's scale, TIES' density, ...) searched next to a method's:
-    each trial merges the base and the experts in memory with its values. Data-free methods only
-    (a data method would gather its data again every trial). Trial parameters are named
-    `anchor.<option>`; `options` holds the fixed ones (the params' merge.options)."""
+    """The anchor merge's own knobs (TA's scale, TIES' density, SigMerge's c_min, c_max, ...)
+    searched next to a method's: each trial merges the base and the experts in memory with its
+    values. Data-free methods, and data methods whose needs the problem holds (`SUPPLIED_NEEDS`:
+    SigMerge's dev scores and shared examples); the others would gather their data again every
+    trial. Trial parameters are named `anchor.<option>`; `options` holds the fixed ones (the params'
+    merge.options without the data options), `data` the data options (e.g. shared_examples_per_task)."""
 
     method: str
     options: Mapping[str, object]
     ranges: Mapping[str, Range]
+    data: Mapping[str, int] = field(default_factory=dict)
 
     PREFIX = "anchor."
 
     def __post_init__(self) -> None:
         from featcal.merging.registry import build_options, get_method
 
-        spec = get_method(self.method)
-        if spec.needs:
+        unsupplied = get_method(self.method).needs - SUPPLIED_NEEDS
+        if unsupplied:
             raise ValueError(f"tune.anchor_search: merge method {self.method!r} needs data "
-                             f"({', '.join(sorted(spec.needs))}); only data-free anchors are searched")
+                             f"({', '.join(sorted(unsupplied))}) a trial cannot supply; searchable: data-free "
+                             f"anchors and methods needing only {', '.join(sorted(SUPPLIED_NEEDS))} (sigmerge)")
         if not self.ranges:
             raise ValueError("tune.anchor_search: nothing to search")
         for key, rng in self.ranges.items():   # unknown options and out-of-bounds ranges fail here
@@ -189,6 +198,7 @@ class TuneProblem:
         # scoring swaps backbones into copies of the task models; the experts stay untouched
         self._scorers = {t: copy.deepcopy(self.experts[t]).eval() for t in self.dev}
         self._last_merge: tuple[tuple, nn.Module] | None = None
+        self._dev_of: dict[str, dict[str, float]] = {}   # backbone digest -> dev scores (data anchors)
 
     def states(self, layer: int) -> Mapping[str, Tensor]:
         if layer not in self._states:
@@ -206,9 +216,36 @@ class TuneProblem:
             from featcal.merging.in_memory import merge_models
 
             self._last_merge = None   # the previous merge freed before the next is built
-            merged = merge_models(self.base, self.experts, anchor.method, options)
+            merged = merge_models(self.base, self.experts, anchor.method, options, self.merge_context(anchor))
             self._last_merge = (key, self.family.backbone(merged).eval())
         return self._last_merge[1]
+
+    def merge_context(self, anchor: AnchorSearch) -> MergeContext | None:
+        """What a data anchor reads (`SUPPLIED_NEEDS`), from what the problem holds: dev scores on the
+        tuning dev split, each distinct backbone scored once (SigMerge's inner anchor is the same in
+        every trial that keeps its options), and as the shared examples each task's first calibration
+        examples (the merge stage's are the same prefix of the same sample). None for data-free methods."""
+        needs = get_method(anchor.method).needs
+        if not needs:
+            return None
+        data = {**data_options(anchor.method), **dict(anchor.data)}
+        context = MergeContext()
+        if "dev_scores" in needs:
+            context.score_dev = self.score_once
+            context.expert_dev = {t: self.score_once(self.family.backbone(self.experts[t]))[t] for t in self.dev}
+        if "shared_examples" in needs:
+            n = int(data["shared_examples_per_task"])
+            context.shared_batches = [b for t in self.experts for b in leading_examples(self.batches[t], n)]
+        return context
+
+    def score_once(self, backbone: nn.Module) -> dict[str, float]:
+        """`score`, remembered per backbone weights: a data anchor re-scores the same inner merge every trial."""
+        h = hashlib.blake2b(digest_size=20)
+        hash_module(h, backbone)
+        key = h.hexdigest()
+        if key not in self._dev_of:
+            self._dev_of[key] = self.score(backbone)
+        return self._dev_of[key]
 
     def calibrate(self, config: FeatCalConfig, after_block: Callable[[int, nn.Module], None] | None = None,
                   merged: nn.Module | None = None) -> nn.Module:
@@ -237,39 +274,56 @@ class TuneProblem:
         cached states, calibration inputs, dev data, the fixed FeatCal settings and, with an anchor
         search, its method and fixed options."""
         h = hashlib.blake2b(digest_size=20)
-
-        def tensor(t: Tensor) -> None:
-            h.update(str((t.dtype, tuple(t.shape))).encode())
-            h.update(np.ascontiguousarray(t.detach().cpu().numpy()).data)
-
-        def module(m: nn.Module) -> None:
-            for name, value in sorted(m.state_dict().items()):
-                h.update(name.encode())
-                tensor(value)
-
-        module(self.merged)
-        module(self.family.backbone(self.base))
+        hash_module(h, self.merged)
+        hash_module(h, self.family.backbone(self.base))
         for task in sorted(self.experts):
             h.update(task.encode())
-            module(self.experts[task])
+            hash_module(h, self.experts[task])
             for batch in self.batches[task]:
                 for key in sorted(batch):
-                    tensor(batch[key])
+                    hash_tensor(h, batch[key])
         for layer in range(self.n_blocks + (1 if config.calibrate_pooler else 0)):
             for task, value in sorted(self.states(layer).items()):
                 h.update(f"{layer}/{task}".encode())
-                tensor(value)
+                hash_tensor(h, value)
         for task, d in sorted(self.dev.items()):
             h.update(f"{task}/{d.max_length}/{len(d.split.examples)}".encode())
             # texts hash exactly as before images existed: an existing study keeps its fingerprint
             h.update(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in d.split.examples))
-            tensor(d.split.labels)
+            hash_tensor(h, d.split.labels)
         fixed = {k: v for k, v in dataclasses.asdict(config).items() if k not in space.ranges}
         h.update(repr(sorted(fixed.items())).encode())
         if anchor is not None:   # (a study without one keeps the fingerprint it always had)
             fixed_options = {k: v for k, v in anchor.options.items() if k not in anchor.ranges}
             h.update(repr((anchor.method, sorted(fixed_options.items()), sorted(anchor.ranges))).encode())
+            if anchor.data:
+                h.update(repr(sorted(anchor.data.items())).encode())
         return h.hexdigest()
+
+
+def hash_tensor(h, t: Tensor) -> None:
+    """Feed a tensor's dtype, shape and bytes to the hash `h`."""
+    h.update(str((t.dtype, tuple(t.shape))).encode())
+    h.update(np.ascontiguousarray(t.detach().cpu().numpy()).data)
+
+
+def hash_module(h, m: nn.Module) -> None:
+    """Feed a module's state (names and tensors, sorted by name) to the hash `h`."""
+    for name, value in sorted(m.state_dict().items()):
+        h.update(name.encode())
+        hash_tensor(h, value)
+
+
+def leading_examples(batches: Sequence[Mapping[str, Tensor]], n: int) -> list[dict[str, Tensor]]:
+    """The first `n` examples of a batch list, as batches (the last one cut short)."""
+    out, left = [], n
+    for batch in batches:
+        if left <= 0:
+            break
+        size = len(next(iter(batch.values())))
+        out.append({k: v[:left] for k, v in batch.items()} if size > left else dict(batch))
+        left -= size
+    return out
 
 
 def load_problem(
