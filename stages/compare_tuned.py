@@ -27,11 +27,11 @@ from featcal.tuning.comparison import COMPARED, FEATCAL_PIPELINES, as_mapping, c
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--studies", default="results/dev_tuning", help="folder of the studies' summaries")
-    parser.add_argument("--alone", default="results/compare.json",
+    parser.add_argument("--alone", default="results/compare_defaults.json",
                         help="the compare stage's JSON: each anchor's test scores alone, and the experts'")
     parser.add_argument("--experts", default="experts", help="folder of the experts (their width)")
-    parser.add_argument("--out", default="results/compare_tuned.json", help="where the rows (JSON) are written")
-    parser.add_argument("--table", default="results/compare_tuned.md", help="where the Markdown table is written")
+    parser.add_argument("--out", default="results/compare.json", help="where the rows (JSON) are written")
+    parser.add_argument("--table", default="results/compare.md", help="where the Markdown table is written")
     parser.add_argument("--plots", default="results/plots",
                         help="folder of the plots: compare_tuned_per_task.png (experts, anchor, dev-best model per "
                              "task) and the dev-best FeatCal study's compare_tuned_featcal_{history,importance}.png")

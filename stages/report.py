@@ -33,7 +33,7 @@ def read_live(folder: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--metrics", required=True, help="the headline metrics JSON (results/metrics.json)")
-    parser.add_argument("--compare", help="the comparison JSON (results/compare.json), if it exists")
+    parser.add_argument("--compare", help="the comparison JSON (results/compare_defaults.json), if it exists")
     parser.add_argument("--plots", required=True, help="the folder of result plots (results/plots)")
     parser.add_argument("--live", help="a folder of DVCLive logs to draw (results/live/finetune), if it exists")
     parser.add_argument("--out", required=True, help="where the page is written (results/report.html)")

@@ -223,10 +223,10 @@ def test_every_stage_lists_the_code_it_runs_among_its_deps():
 
 def test_compare_stages_write_their_results_outside_the_default_run(project):
     project, first = project
-    assert not (project / "results/compare.json").exists()
+    assert not (project / "results/compare_defaults.json").exists()
     out = run([sys.executable, "-m", "dvc", "repro", "compare/dvc.yaml"], project)
     assert stages_run(out) == {f"compare/dvc.yaml:{s}" for s in ("compare", "sample-efficiency", "corruption", "sigmerge")}, out
-    compare = json.loads((project / "results/compare.json").read_text())
+    compare = json.loads((project / "results/compare_defaults.json").read_text())
     assert set(compare["anchors"]) == {"average", "task_arithmetic", "ties"}
     for anchor in compare["anchors"].values():
         assert set(anchor) >= {"merged", "featcal", "surgery", "probsurgery"}

@@ -36,7 +36,7 @@ def scores(avg: float, gap: float | None = None) -> dict:
 
 
 def tiny_compare() -> dict:
-    """results/compare.json's shape, two anchors (the second without ProbSurgery)."""
+    """results/compare_defaults.json's shape, two anchors (the second without ProbSurgery)."""
     def anchor(merged: float, **methods: float) -> dict:
         return {"merge_cost": {"wall_s": 1.5}, "merged": scores(merged, 0.0),
                 **{m: {"scores": scores(v, 0.5), "cost": {"wall_s": 2.0}} for m, v in methods.items()}}
@@ -60,7 +60,7 @@ def assert_png(path: Path) -> None:
 def test_compare_plot_is_a_png_from_the_comparison(tmp_path):
     plots.plot_compare(tiny_compare(), tmp_path / "compare.png")
     assert_png(tmp_path / "compare.png")
-    committed = ROOT / "results/compare.json"
+    committed = ROOT / "results/compare_defaults.json"
     if committed.exists():   # the full eleven-anchor comparison draws as well
         plots.plot_compare(json.loads(committed.read_text()), tmp_path / "full.png")
         assert_png(tmp_path / "full.png")
@@ -104,7 +104,7 @@ def test_the_page_holds_everything_it_shows(tmp_path):
     assert "<script" not in page and "+ ProbSurgery" in page and "task_arithmetic" in page
     assert "Gap closed: <b>0.50</b>" in page
     no_compare = render(tiny_metrics(), [], None)
-    assert "compare.json" not in no_compare and "<img" not in no_compare
+    assert "compare_defaults.json" not in no_compare and "<img" not in no_compare
 
 
 def test_make_report_writes_the_page_without_an_active_virtualenv(tmp_path):
@@ -130,7 +130,7 @@ def test_make_report_writes_the_page_without_an_active_virtualenv(tmp_path):
     done = subprocess.run(["make", "report"], cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     page = (project / "results/report.html").read_text()
-    assert page.count("<img ") == 2 and "compare.json" not in page   # no comparison yet: its table is left out
+    assert page.count("<img ") == 2 and "compare_defaults.json" not in page   # no comparison yet: its table is left out
     assert "Fine-tuning, per task: train loss and dev accuracy per epoch" in page
     curves = stages_report.read_live(project / "results/live/finetune")
     assert curves == {"a": {"dev_accuracy": [(1, 0.5), (2, 0.7)], "train_loss": [(1, 0.9), (2, 0.6)]},
@@ -146,7 +146,7 @@ def test_the_page_renders_offline_in_chromium(tmp_path):
     from playwright.sync_api import sync_playwright   # the PyPI package; no browser of its own
 
     assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: run `bash tests/system_deps.sh` as root (Debian chromium)"
-    compare = ROOT / "results/compare.json"
+    compare = ROOT / "results/compare_defaults.json"
     page_path = write_report(tmp_path / "report.html", ROOT / "results/metrics.json", ROOT / "results/plots",
                              compare if compare.exists() else None)
     expected_images = len(find_plots(ROOT / "results/plots"))

@@ -64,7 +64,7 @@ def plot_training_curves(curves: dict[str, dict[str, list[tuple[int, float]]]], 
     _save(fig, path)
 
 
-# The comparison's methods in the order they are drawn: (key in results/compare.json, legend label).
+# The comparison's methods in the order they are drawn: (key in results/compare_defaults.json, legend label).
 COMPARE_METHODS = (("merged", "alone"), ("surgery", "+ Surgery"), ("probsurgery", "+ ProbSurgery"),
                    ("featcal", "+ FeatCal"))
 CALIBRATIONS = (("surgery", "Surgery"), ("probsurgery", "ProbSurgery"), ("featcal", "FeatCal"))
@@ -98,7 +98,7 @@ def plot_grouped_bars(groups: dict[str, dict[str, float]], path: str | os.PathLi
 
 
 def plot_compare(compare: dict, path: str | os.PathLike) -> None:
-    """results/compare.json as grouped bars: per anchor merge, its average test accuracy (%) alone,
+    """results/compare_defaults.json as grouped bars: per anchor merge, its average test accuracy (%) alone,
     + Surgery, + ProbSurgery and + FeatCal; the experts' average as a dashed line."""
     groups = {}
     for anchor, row in compare["anchors"].items():

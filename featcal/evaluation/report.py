@@ -80,7 +80,7 @@ def metrics_table(metrics: dict) -> str:
 
 
 def compare_table(compare: dict) -> str:
-    """results/compare.json: per anchor the merge alone and each calibration, test accuracy (%), the
+    """results/compare_defaults.json: per anchor the merge alone and each calibration, test accuracy (%), the
     gap closed and the wall time of the step."""
     experts = compare["experts"]
     tasks = [t for t in experts if t not in ("avg", "gap_closed")]
@@ -115,8 +115,8 @@ def render(metrics: dict, plots: list[tuple[str | os.PathLike, str]], compare: d
     if plots:
         parts += ["<h2>Plots</h2>", *(figure(p, c) for p, c in plots)]
     if compare is not None:
-        parts += ["<h2>FeatCal vs Surgery vs ProbSurgery on each anchor: test accuracy (%), "
-                  "<code>results/compare.json</code></h2>",
+        parts += ["<h2>FeatCal vs Surgery vs ProbSurgery on each anchor at the papers' defaults: test accuracy (%), "
+                  "<code>results/compare_defaults.json</code></h2>",
                   f"<p>Every method reads the same {html.escape(str(compare.get('examples_per_task', '')))} "
                   "unlabelled calibration examples per task; gap closed = (method − merge) / (experts − merge); "
                   "wall s: the merge's for the merge alone, else the method's.</p>",

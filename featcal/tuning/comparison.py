@@ -111,7 +111,7 @@ def per_task_groups(rows: list[ComparisonRow], experts: Mapping[str, float], tas
 
 
 def as_mapping(rows: list[ComparisonRow]) -> dict[str, dict[str, dict]]:
-    """{anchor: {method: row fields}}: the shape of results/compare_tuned.json."""
+    """{anchor: {method: row fields}}: the shape of results/compare.json."""
     out: dict[str, dict[str, dict]] = {}
     for row in rows:
         fields = asdict(row)
