@@ -159,6 +159,8 @@ def tiny_params(base: Path, tasks: dict) -> dict:
     params["finetune"] = {"learning_rate": 1e-3, "epochs": 2, "batch_size": 16, "overrides": {}}
     params["calibration"] = {"examples_per_task": 24, "batch_size": 8}
     params["evaluate"] = {"drift_examples_per_task": 16}
+    # the tests' merge stays Task Arithmetic whatever anchor the demo's dev-chosen default is
+    params["merge"] = {"method": "task_arithmetic", "options": {"scale": 0.3}}
     # three anchors (of params.yaml's eleven) for the comparison runs: the data-free classics
     params["compare"]["anchors"] = {k: params["compare"]["anchors"][k] for k in ("average", "task_arithmetic", "ties")}
     params["compare"].update({"examples_per_task": 16, "sample_sizes": [4, 16], "surgery": {"iterations": 20},
