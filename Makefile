@@ -50,7 +50,16 @@ repro: setup
 # several: SET="featcal.alpha=0.5 featcal.rho=1.5"). Only the stages that depend on them re-run.
 exp: setup
 	@test -n "$(SET)" || { echo "usage: make exp SET=featcal.alpha=0.5  (any params.yaml key)" >&2; exit 2; }
-	$(PY) stages/with_warm_stages.py .venv/bin/dvc exp run $(foreach s,$(SET),-S $(s))
+	$(PY) stages/with_warm_stages.py .venv/bin/dvc exp run $(foreach s,$(SET),-S '$(s)')
+
+# The paper's configuration as an experiment next to the dev-chosen default run: Task Arithmetic
+# (s 0.3) + FeatCal at the spec's defaults (α 0.25, ρ 2.2, λ 0.05, pooler as merged). `~` drops the
+# default anchor's options, `+` puts TA's in their place (Hydra overrides, as `dvc exp run -S` reads them).
+SPEC_DEFAULTS := merge.method=task_arithmetic ~merge.options +merge.options={scale:0.3} \
+  featcal.alpha=0.25 featcal.rho=2.2 featcal.ridge=0.05 featcal.calibrate_pooler=false
+.PHONY: exp-spec
+exp-spec:
+	$(MAKE) --no-print-directory exp SET="$(SPEC_DEFAULTS)"
 
 # Each experiment's changed params and metrics side by side.
 metrics: setup
