@@ -304,6 +304,8 @@ def test_sigmerge_repairs_the_anchor_in_each_trial_with_its_own_capacities_from_
     assert len(scored) == 2 + 1 + 3
 
     context = problem.merge_context(anchor)
+    # what the capacity range does not change was computed once and kept for every trial
+    assert {"anchor", "outputs", ("signals", 0.2)} <= set(context.cache)
     shared = context.shared_batches
     assert sum(len(b["input_ids"]) for b in shared) == 2 * 5
     first = problem.batches["sentiment"][0]
@@ -312,7 +314,8 @@ def test_sigmerge_repairs_the_anchor_in_each_trial_with_its_own_capacities_from_
     assert context.score_dev(problem.family.backbone(ta)) == score(problem.family.backbone(ta))
     assert context.expert_dev == {t: 1.0 for t in problem.experts}
 
-    # the trial's merge is SigMerge's own with the trial's capacities, and it moves the anchor
+    # the trial's merge (from the kept inner anchor, outputs and signals) is SigMerge's own, computed
+    # afresh, with the trial's capacities, and it moves the anchor
     last = trials[-1]
     wanted = {**options, "c_min": last.params["anchor.c_min"], "c_max": last.params["anchor.c_max"]}
     record = MergeContext(score_dev=score, expert_dev=context.expert_dev, shared_batches=shared)

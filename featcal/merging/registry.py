@@ -87,7 +87,10 @@ class MergeContext:
     these three. batches: task -> unlabelled train batches (never test); shared_batches: one batch
     list of every task's examples; score_dev: backbone -> {task: dev accuracy under that task's
     head}; expert_dev: {task: dev accuracy of its expert}. record: filled by the method with what
-    it decided (cleared at the start of every merge).
+    it decided (cleared at the start of every merge). cache: optional; a method keeps there what
+    does not change between merges of the same models and data with other options (SigMerge: its
+    inner anchor, the experts' block outputs, the conflict signals), so a search over its options
+    computes them once. Its owner gives it only to contexts of those same models and data.
     """
 
     base: nn.Module | None = None
@@ -98,6 +101,7 @@ class MergeContext:
     score_dev: Callable[[nn.Module], dict[str, float]] | None = None
     expert_dev: Mapping[str, float] | None = None
     record: dict[str, Any] = field(default_factory=dict)
+    cache: dict[Any, Any] | None = None
 
     def missing(self, needs: Sequence[str]) -> list[str]:
         """The fields of ``needs`` that are not set, in declaration order."""

@@ -364,6 +364,54 @@ def _check_same_layout(base: Mapping[str, Tensor], other: Mapping[str, Tensor], 
         raise ValueError(f"sigmerge: {what} has tensors the base does not have: {extra[:5]}")
 
 
+@dataclass(frozen=True)
+class BlockSignals:
+    """Pass 1 of SigMerge: per block its tensors (floating, in base order), coordinate count and raw
+    conflict signals, for the expert pool and demand fraction they were computed with."""
+
+    pool: list[str]
+    demand_fraction: float
+    block_names: dict[int, list[str]]
+    raw: dict[str, list[float]]
+    n_coords: list[int]
+
+
+def block_signals(
+    base: Mapping[str, Tensor],
+    experts: Mapping[str, Mapping[str, Tensor]],
+    block_of: Callable[[str], int | None],
+    block_outputs: Mapping[int, Mapping[str, Tensor]],
+    demand_fraction: float = 0.2,
+) -> BlockSignals:
+    """The conflict signals of every block (one block's task vectors in memory at a time)."""
+    block_names: dict[int, list[str]] = {}
+    for name, ref in base.items():
+        if not ref.is_floating_point():
+            continue
+        b = block_of(name)
+        if b is not None:
+            block_names.setdefault(int(b), []).append(name)
+    pool = list(experts)
+    raw: dict[str, list[float]] = {s: [] for s in SIGNALS}
+    n_coords: list[int] = []
+    for b in sorted(block_names):
+        names = block_names[b]
+        dt = compute_dtype(*(base[n].dtype for n in names), *(experts[e][n].dtype for e in pool for n in names))
+        theta0 = _flat_block(base, names, dt)
+        taus = [_flat_block(experts[e], names, dt) - theta0 for e in pool]
+        n_coords.append(int(theta0.numel()))
+        if b not in block_outputs:
+            raise ValueError(f"sigmerge: block_outputs has no entry for block {b}")
+        missing = [e for e in pool if e not in block_outputs[b]]
+        if missing:
+            raise ValueError(f"sigmerge: block_outputs[{b}] lacks experts {missing}")
+        raw["geometry"].append(geometry_signal([block_outputs[b][e] for e in pool]))
+        raw["direction"].append(direction_signal(taus))
+        raw["demand"].append(demand_signal(taus, demand_fraction))
+        del taus, theta0
+    return BlockSignals(pool, float(demand_fraction), block_names, raw, n_coords)
+
+
 def sigmerge(
     base: Mapping[str, Tensor],
     experts: Mapping[str, Mapping[str, Tensor]],
@@ -374,6 +422,7 @@ def sigmerge(
     anchor_dev: Mapping[str, float],
     options: SigMergeOptions | Mapping[str, Any] | None = None,
     sources: Mapping[str, str] | None = None,
+    signals: "BlockSignals | None" = None,
 ) -> tuple[StateDict, dict[str, Any]]:
     """SigMerge θ̂ of ``anchor`` = θ_A and the record of every decision.
 
@@ -382,7 +431,10 @@ def sigmerge(
     that keep θ_A (embeddings, final norms, pooler, heads); block_outputs: block → domain → pooled
     block outputs [n, d] of that expert on one shared calibration set (every block, every expert);
     best_dev / anchor_dev: domain → dev score of the best expert for d and of θ_A;
-    sources: domain → the expert key s(d) whose task vector d claims with (default: d itself).
+    sources: domain → the expert key s(d) whose task vector d claims with (default: d itself);
+    signals: ``block_signals(base, experts, block_of, block_outputs, demand_fraction)`` computed
+    beforehand (they do not depend on the anchor, the deficits or the capacity range; a search over
+    c_min, c_max computes them once).
 
     Returns (merged state dict in the anchor's dtypes and order, record). With zero deficit
     everywhere the anchor is returned unchanged (clones, equal bit for bit).
@@ -411,35 +463,13 @@ def sigmerge(
         if s not in experts:
             raise ValueError(f"sigmerge: source expert {s!r} of domain {d!r} is not in the pool {sorted(experts)}")
 
-    # Blocks: floating tensors grouped by block_of, in base order.
-    block_names: dict[int, list[str]] = {}
-    for name, ref in base.items():
-        if not ref.is_floating_point():
-            continue
-        b = block_of(name)
-        if b is not None:
-            block_names.setdefault(int(b), []).append(name)
+    if signals is None:
+        signals = block_signals(base, experts, block_of, block_outputs, opts.demand_fraction)
+    elif signals.pool != list(experts) or signals.demand_fraction != opts.demand_fraction:
+        raise ValueError(f"sigmerge: the signals given were computed for experts {signals.pool} and demand "
+                         f"fraction {signals.demand_fraction}, not {list(experts)} and {opts.demand_fraction}")
+    block_names, raw, n_coords, pool = signals.block_names, signals.raw, signals.n_coords, signals.pool
     blocks = sorted(block_names)
-    pool = list(experts)
-
-    # Pass 1: conflict signals per block (one block's task vectors in memory at a time).
-    raw: dict[str, list[float]] = {s: [] for s in SIGNALS}
-    n_coords: list[int] = []
-    for b in blocks:
-        names = block_names[b]
-        dt = compute_dtype(*(base[n].dtype for n in names), *(experts[e][n].dtype for e in pool for n in names))
-        theta0 = _flat_block(base, names, dt)
-        taus = [_flat_block(experts[e], names, dt) - theta0 for e in pool]
-        n_coords.append(int(theta0.numel()))
-        if b not in block_outputs:
-            raise ValueError(f"sigmerge: block_outputs has no entry for block {b}")
-        missing = [e for e in pool if e not in block_outputs[b]]
-        if missing:
-            raise ValueError(f"sigmerge: block_outputs[{b}] lacks experts {missing}")
-        raw["geometry"].append(geometry_signal([block_outputs[b][e] for e in pool]))
-        raw["direction"].append(direction_signal(taus))
-        raw["demand"].append(demand_signal(taus, opts.demand_fraction))
-        del taus, theta0
     normed = {s: normalise_across_blocks(raw[s]) for s in SIGNALS}
     scores = conflict_scores(raw["geometry"], raw["direction"], raw["demand"])
     caps = capacities(scores, opts.c_min, opts.c_max)

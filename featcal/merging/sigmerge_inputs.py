@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from featcal.families import Family
 from featcal.merging.registry import MergeContext, StateDict, merge_state_dicts, register
-from featcal.merging.sigmerge import SigMergeOptions, plot_admitted, sigmerge
+from featcal.merging.sigmerge import SigMergeOptions, block_signals, plot_admitted, sigmerge
 
 
 @torch.no_grad()
@@ -71,8 +71,12 @@ def sigmerge_method(
     """
     family = context.family
     expert_states = dict(zip(context.experts, experts))
+    cache = context.cache if context.cache is not None else {}
     start = time.perf_counter()
-    anchor_state = merge_state_dicts(opts.anchor, base, experts, dict(opts.anchor_options))
+    anchor_key = (opts.anchor, repr(sorted(dict(opts.anchor_options).items())))
+    if cache.get("anchor", (None,))[0] != anchor_key:   # the latest inner anchor only
+        cache["anchor"] = (anchor_key, merge_state_dicts(opts.anchor, base, experts, dict(opts.anchor_options)))
+    anchor_state = cache["anchor"][1]
     anchor_s = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -80,9 +84,15 @@ def sigmerge_method(
     anchor.load_state_dict({**context.base.state_dict(), **anchor_state})
     anchor_dev = context.score_dev(anchor.eval())
     expert_dev = dict(context.expert_dev)
-    outputs = pooled_block_outputs(family, context.experts, context.shared_batches)
+    block_of = block_index_of(family, context.base)
+    if "outputs" not in cache:
+        cache["outputs"] = pooled_block_outputs(family, context.experts, context.shared_batches)
+    outputs = cache["outputs"]
+    signals_key = ("signals", opts.demand_fraction)
+    if signals_key not in cache:
+        cache[signals_key] = block_signals(base, expert_states, block_of, outputs, opts.demand_fraction)
     state, record = sigmerge(
-        base, expert_states, anchor_state, block_index_of(family, context.base), outputs, expert_dev, anchor_dev, opts,
+        base, expert_states, anchor_state, block_of, outputs, expert_dev, anchor_dev, opts, signals=cache[signals_key],
     )
     record["wall_s"] = {"anchor": round(anchor_s, 2), "sigmerge_extra": round(time.perf_counter() - start, 2)}
     record["dev"] = {"experts": expert_dev, "anchor": anchor_dev}

@@ -199,6 +199,7 @@ class TuneProblem:
         self._scorers = {t: copy.deepcopy(self.experts[t]).eval() for t in self.dev}
         self._last_merge: tuple[tuple, nn.Module] | None = None
         self._dev_of: dict[str, dict[str, float]] = {}   # backbone digest -> dev scores (data anchors)
+        self._merge_caches: dict[tuple, dict] = {}        # (method, data options) -> MergeContext.cache
 
     def states(self, layer: int) -> Mapping[str, Tensor]:
         if layer not in self._states:
@@ -224,12 +225,13 @@ class TuneProblem:
         """What a data anchor reads (`SUPPLIED_NEEDS`), from what the problem holds: dev scores on the
         tuning dev split, each distinct backbone scored once (SigMerge's inner anchor is the same in
         every trial that keeps its options), and as the shared examples each task's first calibration
-        examples (the merge stage's are the same prefix of the same sample). None for data-free methods."""
+        examples (the merge stage's are the same prefix of the same sample). What the method keeps
+        between merges (`MergeContext.cache`) lives as long as the problem. None for data-free methods."""
         needs = get_method(anchor.method).needs
         if not needs:
             return None
         data = {**data_options(anchor.method), **dict(anchor.data)}
-        context = MergeContext()
+        context = MergeContext(cache=self._merge_caches.setdefault((anchor.method, repr(sorted(data.items()))), {}))
         if "dev_scores" in needs:
             context.score_dev = self.score_once
             context.expert_dev = {t: self.score_once(self.family.backbone(self.experts[t]))[t] for t in self.dev}
