@@ -111,7 +111,7 @@ class AnchorSearch:
     PREFIX = "anchor."
 
     def __post_init__(self) -> None:
-        from featcal.merging.registry import build_options, get_method
+        from featcal.merging.registry import build_options
 
         unsupplied = get_method(self.method).needs - SUPPLIED_NEEDS
         if unsupplied:
