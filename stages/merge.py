@@ -50,7 +50,7 @@ def main() -> None:
             context = None
             if get_method(method).needs:   # train batches: the input encoder and the task data, no model
                 task_data = cmp.TaskData(tasks, load_encoder(base_ref), get(params, "tasks_dir"), lengths, seed)
-                context = cmp.merge_context(task_data, method, data)
+                context = cmp.merge_context(task_data, method, data, options)
             with atomic_dir(args.out) as tmp:
                 lazy_merge(base_ref, expert_dirs, method, options, tmp / "backbone", context=context)
                 for item in (tmp / "backbone").iterdir():
@@ -59,7 +59,7 @@ def main() -> None:
                 save_heads(tmp, {t: load_head(d) for t, d in expert_dirs.items()}, load_encoder(base_ref))
         else:
             bench = cmp.load_workbench(base_ref, expert_dirs, get(params, "tasks_dir"), lengths, seed)
-            context = cmp.merge_context(bench, method, data)
+            context = cmp.merge_context(bench, method, data, options)
             merged = merge_models(bench.base, bench.experts, method, options, context)
             save_multitask(args.out, merged, bench.experts, load_encoder(base_ref))   # a fresh one: the
             # workbench's tokenizer has been used with padding, which would change tokenizer.json

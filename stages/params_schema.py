@@ -430,7 +430,7 @@ def check_search(params: Params) -> None:
             raise unknown_key("tune.search", key, HYPER_KEYS, "hyperparameter")
         allowed[key](found.low, f"tune.search.{key}.low")
         allowed[key](found.high, f"tune.search.{key}.high")
-    if params.tune.anchor_search:   # merge.method's own options, searched per trial (data-free methods, sigmerge)
+    if params.tune.anchor_search:   # merge.method's own options, searched per trial
         from featcal.merging import split_options
         from featcal.tuning.objective import AnchorSearch, Range
 

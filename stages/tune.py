@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                                    max_length={t: max_length(params, t) for t in tasks},
                                    batch_size=int(get(params, "calibration.batch_size")), merged=args.merged,
                                    experts_dir=args.experts, features=args.features,
-                                   tasks_dir=get(params, "tasks_dir"))
+                                   tasks_dir=get(params, "tasks_dir"), seed=int(get(params, "seed")))
             if args.method != "featcal":
                 return tune_baseline_and_report(problem, args, storage, study_name, n_trials, params, tasks, anchor)
             # the keys params.yaml gives; StudySettings' own defaults for the rest

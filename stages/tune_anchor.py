@@ -12,8 +12,8 @@ method, `stages/tune.py --method <m> --score-test` runs a seeded, resumable stud
 comparison starts from the same place: FeatCal's first trial is the spec's defaults (α 0.25, ρ 2.2,
 λ 0.05) with the pooler calibrated, Surgery's and ProbSurgery's their papers' defaults; the ranges
 are `tune.search`'s and the baselines' own. `--anchor-search` also searches the anchor's options
-(`tune.anchor_search`; data-free anchors). `--sigmerge` studies SigMerge(anchor) + FeatCal instead:
-SigMerge repairs the anchor (at its compare.anchors options) and each trial searches its (c_min,
+(`tune.anchor_search`). `--sigmerge` studies SigMerge(anchor) + FeatCal instead: SigMerge repairs
+the anchor (at its compare.anchors options; a data anchor's data options become SigMerge's) and each trial searches its (c_min,
 c_max) (default: over compare.sigmerge.grid's span) next to FeatCal's values; the summary is
 `<anchor>_sigmerge_featcal.json`. The experts' cached features come from the pipeline (`make repro` first).
 """
@@ -31,6 +31,7 @@ import yaml
 from common import get, load_params
 
 from featcal.calibration.config import FeatCalConfig
+from featcal.merging import split_options
 from featcal.tuning.comparison import METHODS
 
 STAGES = Path(__file__).resolve().parent
@@ -47,9 +48,10 @@ def anchor_params(params: dict, anchor: str, searched: dict[str, list[float]], p
     spec = FeatCalConfig()
     out = json.loads(json.dumps(params))   # a deep copy
     out["merge"] = {"method": anchor, "options": dict(anchors[anchor] or {})}
-    if sigmerge:
+    if sigmerge:   # a data anchor's data options (RegMean's examples_per_task) are SigMerge's own
+        options, data = split_options(anchor, anchors[anchor] or {})
         out["merge"] = {"method": "sigmerge", "options": {
-            "anchor": anchor, "anchor_options": dict(anchors[anchor] or {}),
+            "anchor": anchor, "anchor_options": options, **data,
             "shared_examples_per_task": int(get(params, "compare.sigmerge.shared_examples_per_task"))}}
     out["featcal"].update(alpha=spec.alpha, rho=spec.rho, ridge=spec.ridge, calibrate_pooler=pooler, use_tuned=False)
     out["tune"]["anchor_search"] = searched

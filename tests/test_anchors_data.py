@@ -387,6 +387,45 @@ def test_sigmerge_through_merge_models_gives_the_old_special_cased_result(tmp_pa
     assert (tmp_path / "admitted.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_sigmerge_repairs_a_data_anchor_with_the_data_its_context_holds(tmp_path):
+    """SigMerge over RegMean: it needs RegMean's activations besides its own context, takes RegMean's
+    examples_per_task as its own data option, and repairs exactly the RegMean merge of those batches."""
+    base, experts = models(layers=2)
+    batches = batches_for(experts, seed=5)
+    shared = [b for bs in batches_for(experts, seed=11, n_batches=1).values() for b in bs]
+    scored = []
+
+    def score_dev(backbone):   # below every expert, as in the TIES case above
+        scored.append(backbone)
+        return {"a": 0.5, "b": 0.6, "c": 0.65}
+
+    options = {"anchor": "regmean", "anchor_options": {"off_diagonal": 0.9}, "c_min": 0.02, "c_max": 0.2}
+    assert split_options("sigmerge", {**options, "examples_per_task": 64}) == (
+        options, {"examples_per_task": 64, "shared_examples_per_task": 16})
+    assert split_options("sigmerge", {"anchor": "ties"}) == ({"anchor": "ties"}, {"shared_examples_per_task": 16})
+    own = dict(score_dev=score_dev, expert_dev={"a": 0.9, "b": 0.8, "c": 0.7}, shared_batches=shared)
+    with pytest.raises(ValueError, match=r"'sigmerge' needs context.*activations[^;]*: batches\)"):
+        merge_models(base, experts, "sigmerge", options, MergeContext(**own))
+    context = MergeContext(batches=batches, **own)
+    merged = merge_models(base, experts, "sigmerge", options, context)
+
+    regmean = merge_models(base, experts, "regmean", {"off_diagonal": 0.9}, MergeContext(batches=batches))
+    assert_same_state(scored[0], regmean)   # the anchor SigMerge scored is RegMean on those batches
+    assert set(context.record) >= {"total_admitted", "admitted"} and "gram" not in str(list(context.record))
+    family = family_for(base)
+    expert_states = {t: e.bert.state_dict() for t, e in experts.items()}
+    by_hand, record = sigmerge(base.bert.state_dict(), expert_states, regmean.state_dict(),
+                               block_index_of(family, base.bert), pooled_block_outputs(family, experts, shared),
+                               own["expert_dev"], score_dev(regmean), SigMergeOptions(**options))
+    assert record["total_admitted"] > 0 and context.record["admitted"] == record["admitted"]
+    for name, value in by_hand.items():
+        assert torch.equal(merged.state_dict()[name], value), name
+    with pytest.raises(ValueError, match="examples_per_task in 'anchor_options' .*give it as sigmerge's own option"):
+        SigMergeOptions(anchor="regmean", anchor_options={"examples_per_task": 8})
+    with pytest.raises(ValueError, match="not sigmerge itself"):
+        SigMergeOptions(anchor="sigmerge")
+
+
 # --------------------------------------------------------------------------- the registry's declared context
 
 
@@ -429,7 +468,10 @@ def test_params_accept_data_options_for_data_methods_only():
         check_merge_options("ties", {"examples_per_task": 32}, "merge")
     with pytest.raises(ParamsError, match="'examples_per_task' must be an integer >= 1"):
         check_merge_options("adamerging", {"examples_per_task": 0}, "merge")
-    with pytest.raises(ParamsError, match="anchor 'regmean' needs activations"):
-        check_merge_options("sigmerge", {"anchor": "regmean"}, "merge")
+    check_merge_options("sigmerge", {"anchor": "regmean", "examples_per_task": 32}, "merge")
+    with pytest.raises(ParamsError, match="unknown option 'examples_per_task' for merge method 'sigmerge'"):
+        check_merge_options("sigmerge", {"anchor": "ties", "examples_per_task": 32}, "merge")
+    with pytest.raises(ParamsError, match="examples_per_task in 'anchor_options'"):
+        check_merge_options("sigmerge", {"anchor": "regmean", "anchor_options": {"examples_per_task": 32}}, "merge")
     params = validate(yaml.safe_load((ROOT / "params.yaml").read_text()), models=False)
     assert {"regmean", "regmean_plus_plus", "adamerging", "tsv_m", "iso_c", "iso_cts", "wudi"} <= set(params.compare.anchors)

@@ -177,7 +177,8 @@ def problem_of(project: Path, params: dict) -> tune.TuneProblem:
     return tune.load_problem(
         base=params["model"]["base"], tasks=["sentiment", "topic"], max_length={"sentiment": 16, "topic": 16},
         batch_size=params["calibration"]["batch_size"], merged=project / "models/merged",
-        experts_dir=project / "experts", features=project / "features/experts", tasks_dir=project / "data/tasks")
+        experts_dir=project / "experts", features=project / "features/experts", tasks_dir=project / "data/tasks",
+        seed=int(params["seed"]))
 
 
 def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_test_once(project, monkeypatch):
@@ -324,8 +325,33 @@ def test_sigmerge_repairs_the_anchor_in_each_trial_with_its_own_capacities_from_
     assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), reference.state_dict().values()))
     assert record.record["total_admitted"] > 0
     assert not all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), ta.state_dict().values()))
-    with pytest.raises(ValueError, match="needs data"):
-        tune.AnchorSearch("adamerging", {}, {"lr": tune.Range(1e-4, 1e-2)})
+
+
+def test_a_data_anchor_inside_a_trial_reads_the_merge_stages_train_sample(project, monkeypatch):
+    """SigMerge(RegMean) searched per trial: RegMean's train batches are the merge stage's sample
+    (same split, seed, encoding), built once per size; a problem without them says so."""
+    from featcal.evaluation import compare as cmp
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    problem = problem_of(project, params)
+    anchor = tune.AnchorSearch("sigmerge", {"anchor": "regmean", "anchor_options": {}},
+                               {"c_min": tune.Range(0.005, 0.05)}, {"shared_examples_per_task": 5, "examples_per_task": 6})
+    context = problem.merge_context(anchor)
+    data = cmp.TaskData(["sentiment", "topic"], problem.encoder, str(project / "data/tasks"),
+                        {"sentiment": 16, "topic": 16}, int(params["seed"]))   # what stages/merge.py builds
+    expected = cmp.to_batches(data, cmp.calibration_examples(data, 6))
+    assert list(context.batches) == list(expected)
+    for task, wanted in expected.items():
+        assert sum(len(b["input_ids"]) for b in wanted) == 6
+        assert all(torch.equal(b[k], w[k]) for b, w in zip(context.batches[task], wanted, strict=True) for k in w)
+    assert problem.merge_context(anchor).batches is context.batches
+    problem._train_batches, problem._train_of = None, {}
+    with pytest.raises(ValueError, match="'sigmerge' .* reads train batches; this problem was built without them"):
+        problem.merge_context(anchor)
+    monkeypatch.setattr(objective, "SUPPLIED_NEEDS", frozenset({"dev_scores", "shared_examples"}))
+    with pytest.raises(ValueError, match=r"'sigmerge' needs data \(activations\) a trial cannot supply"):
+        tune.AnchorSearch("sigmerge", {"anchor": "regmean"}, {"c_min": tune.Range(0.005, 0.05)})
+    tune.AnchorSearch("sigmerge", {"anchor": "ties"}, {"c_min": tune.Range(0.005, 0.05)})
 
 
 def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project, tmp_path):
@@ -486,3 +512,19 @@ def test_claims_meet_the_total_exactly_under_contention(backend, request, tmp_pa
     trials = trials_of(url, "race")
     assert sorted(n for r in ran for n in r) == [t.number for t in trials] == list(range(40))
     assert all(t.state == TrialState.COMPLETE for t in trials)
+
+
+def test_sigmerge_over_a_data_anchor_takes_the_anchors_data_options_as_its_own(project):
+    """tune_anchor --sigmerge on RegMean: compare.anchors' examples_per_task moves next to `anchor`,
+    where SigMerge's data options are (inside anchor_options it would be refused)."""
+    import tune_anchor   # stages/tune_anchor.py
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["compare"]["anchors"]["regmean"] = {"off_diagonal": 0.9, "examples_per_task": 8}
+    local = tune_anchor.anchor_params(params, "regmean", {"c_min": [0.01, 0.05]}, pooler=True, sigmerge=True)
+    assert local["merge"] == {"method": "sigmerge", "options": {
+        "anchor": "regmean", "anchor_options": {"off_diagonal": 0.9}, "examples_per_task": 8,
+        "shared_examples_per_task": params["compare"]["sigmerge"]["shared_examples_per_task"]}}
+    from featcal.merging import split_options
+
+    assert split_options("sigmerge", local["merge"]["options"])[1]["examples_per_task"] == 8

@@ -29,7 +29,7 @@ from featcal.calibration.calibrate import calibrate
 from featcal.data.corrupt import corrupt_examples
 from featcal.data.encoders import InputEncoder, load_encoder
 from featcal.data.splits import Batches, TaskSplit, calibration_subset, encode_batches, read_split
-from featcal.merging import MergeContext, data_options, get_method, split_options
+from featcal.merging import MergeContext, data_options, needs_of, split_options
 from featcal.merging.sigmerge import plot_admitted
 from featcal.io.models import load_backbone, load_classifier, with_backbone
 from featcal.profiling import Measurement, measure
@@ -102,13 +102,15 @@ def merge(bench: Workbench, method: str, options: Mapping | None = None, context
     return merge_models(bench.base, bench.experts, method, options, context)
 
 
-def merge_context(bench: Workbench | TaskData, method: str, data: Mapping[str, int] | None = None) -> MergeContext:
-    """The data `method` declares it needs, from the workbench (`data`: how much of it, e.g.
-    {"examples_per_task": 256}; defaults from `featcal.merging.NEEDS`). Train batches are a seeded
-    sample of the train split, labels dropped; dev scores read the dev split; nothing reads test.
-    Train batches and shared examples need no model (`TaskData` is enough); dev scores do."""
-    needs = get_method(method).needs
-    data = {**data_options(method), **dict(data or {})}
+def merge_context(bench: Workbench | TaskData, method: str, data: Mapping[str, int] | None = None,
+                  options: Mapping[str, Any] | None = None) -> MergeContext:
+    """The data `method` with `options` needs (`featcal.merging.needs_of`), from the workbench
+    (`data`: how much of it, e.g. {"examples_per_task": 256}; defaults from `featcal.merging.NEEDS`).
+    Train batches are a seeded sample of the train split, labels dropped; dev scores read the dev
+    split; nothing reads test. Train batches and shared examples need no model (`TaskData` is
+    enough); dev scores do."""
+    needs = needs_of(method, options)
+    data = {**data_options(method, options), **dict(data or {})}
     context = MergeContext()
     if "activations" in needs:
         context.batches = to_batches(bench, calibration_examples(bench, int(data["examples_per_task"])))
@@ -191,7 +193,7 @@ def merge_anchor(bench: Workbench, anchor: str, options: Mapping[str, Any]) -> t
     train sample and context included) and the method's summary."""
     method_options, data = split_options(anchor, options)
     with measure() as cost:
-        context = merge_context(bench, anchor, data)
+        context = merge_context(bench, anchor, data, method_options)
         merged = merge(bench, anchor, method_options, context)
     row = {"options": method_options, "merge_cost": cost.as_dict()}
     if data:

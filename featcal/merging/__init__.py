@@ -21,6 +21,7 @@ from featcal.merging.registry import (
     data_options,
     get_method,
     merge_state_dicts,
+    needs_of,
     register,
     split_options,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "data_options",
     "get_method",
     "merge_state_dicts",
+    "needs_of",
     "register",
     "split_options",
 ]

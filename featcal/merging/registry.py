@@ -120,6 +120,7 @@ class MergeMethod:
     needs: frozenset[str] = frozenset()
     whole_model: Callable[[Any], bool] | None = None
     report: Callable[[Mapping[str, Any], Any], None] | None = None
+    more_needs: Callable[[Mapping[str, Any]], frozenset[str]] | None = None
 
     def streams(self, opts: Any) -> bool:
         """Whether it acts tensor group by tensor group (no context, not whole-model)."""
@@ -136,12 +137,15 @@ def register(
     needs: Sequence[str] = (),
     whole_model: Callable[[Any], bool] | None = None,
     report: Callable[[Mapping[str, Any], Any], None] | None = None,
+    more_needs: Callable[[Mapping[str, Any]], frozenset[str]] | None = None,
 ) -> Callable[[MergeFn], MergeFn]:
     """Decorator: register ``fn(base, experts, opts[, context]) -> merged`` under ``name``.
 
     ``options_cls`` must be a frozen dataclass whose fields all have defaults; ``needs`` names
     entries of ``NEEDS`` (then ``fn`` takes the context as fourth argument); ``whole_model(opts)``
-    says when it cannot run tensor group by tensor group; ``report(record, folder)`` writes figures.
+    says when it cannot run tensor group by tensor group; ``report(record, folder)`` writes figures;
+    ``more_needs(options)`` adds needs that depend on the options as written (SigMerge: its inner
+    anchor's), on top of ``needs`` (which must then be non-empty, so ``fn`` always takes a context).
     """
     if not (dataclasses.is_dataclass(options_cls) and isinstance(options_cls, type)):
         raise TypeError(f"merge method {name!r}: options_cls must be a dataclass, got {options_cls!r}")
@@ -150,11 +154,13 @@ def register(
     unknown = sorted(set(needs) - set(NEEDS))
     if unknown:
         raise ValueError(f"merge method {name!r}: unknown needs {unknown}; known: {', '.join(NEEDS)}")
+    if more_needs is not None and not needs:
+        raise ValueError(f"merge method {name!r}: more_needs needs a method with needs (it takes a context)")
 
     def decorator(fn: MergeFn) -> MergeFn:
         if name in MERGE_METHODS:
             raise ValueError(f"merge method {name!r} is already registered")
-        MERGE_METHODS[name] = MergeMethod(name, fn, options_cls, frozenset(needs), whole_model, report)
+        MERGE_METHODS[name] = MergeMethod(name, fn, options_cls, frozenset(needs), whole_model, report, more_needs)
         return fn
 
     return decorator
@@ -196,18 +202,30 @@ def build_options(method: str, options: Mapping[str, Any] | Any | None = None) -
     return cls(**dict(options))
 
 
-def data_options(method: str) -> dict[str, int]:
-    """The options that say how much data a supplier gathers for ``method``'s needs, with defaults
-    (e.g. RegMean's ``examples_per_task``); they are not the method's own options."""
+def needs_of(method: str, options: Mapping[str, Any] | Any | None = None) -> frozenset[str]:
+    """What ``method`` needs with these options (a mapping as written, data options allowed, or its
+    options dataclass): its declared needs plus those its options add (SigMerge over RegMean needs
+    activations too)."""
     spec = get_method(method)
-    return {k: v for need in sorted(spec.needs) for k, v in NEEDS[need].data_options.items()}
+    if spec.more_needs is None:
+        return spec.needs
+    if dataclasses.is_dataclass(options):
+        options = dataclasses.asdict(options)
+    return spec.needs | frozenset(spec.more_needs(dict(options or {})))
+
+
+def data_options(method: str, options: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """The options that say how much data a supplier gathers for ``method``'s needs (with
+    ``options``, see ``needs_of``), with defaults (e.g. RegMean's ``examples_per_task``); they are
+    not the method's own options."""
+    return {k: v for need in sorted(needs_of(method, options)) for k, v in NEEDS[need].data_options.items()}
 
 
 def split_options(method: str, options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the method's options, the data options with defaults filled) from one mapping, as written
     in params.yaml: a data method's block may say how much data to gather next to its options."""
     options = dict(options or {})
-    data = data_options(method)
+    data = data_options(method, options)
     for key in data:
         if key in options:
             value = options.pop(key)
@@ -217,17 +235,19 @@ def split_options(method: str, options: Mapping[str, Any] | None) -> tuple[dict[
     return options, data
 
 
-def check_context(method: str, context: MergeContext | None, filled: Sequence[str] = ()) -> MergeContext:
-    """The context of a data method, or ValueError naming the method, each missing need and its fields.
+def check_context(method: str, context: MergeContext | None, filled: Sequence[str] = (),
+                  options: Mapping[str, Any] | Any | None = None) -> MergeContext:
+    """The context of a data method (with ``options``, see ``needs_of``), or ValueError naming the
+    method, each missing need and its fields.
 
     ``filled``: fields the caller fills itself afterwards (a driver's models), not required yet.
     """
-    spec = get_method(method)
+    wanted = sorted(needs_of(method, options))
     context = context if context is not None else MergeContext()
-    missing = [f for f in context.missing(sorted(spec.needs)) if f not in filled]
+    missing = [f for f in context.missing(wanted) if f not in filled]
     if missing:
         needs = [f"{n} ({NEEDS[n].description}: {', '.join(f for f in NEEDS[n].fields if f in missing)})"
-                 for n in sorted(spec.needs) if any(f in missing for f in NEEDS[n].fields)]
+                 for n in wanted if any(f in missing for f in NEEDS[n].fields)]
         raise ValueError(
             f"merge method {method!r} needs context that was not given: {'; '.join(needs)}. Pass "
             "context=MergeContext(...) to featcal.merge_models or featcal.merging.lazy.lazy_merge (they fill base, "
@@ -307,7 +327,7 @@ def merge_state_dicts(
     experts = list(experts)
     _check_compatible(base, experts)
     if spec.needs:
-        context = check_context(method, context)
+        context = check_context(method, context, options=opts)
         if len(context.experts) != len(experts):
             raise ValueError(f"merge method {method!r}: the context holds {len(context.experts)} expert models "
                              f"for {len(experts)} expert state dicts")

@@ -52,7 +52,9 @@ from torch import Tensor
 
 from featcal.merging import dense as _dense  # noqa: F401  (registers the dense anchors)
 from featcal.merging.dense import keep_count
-from featcal.merging.registry import StateDict, build_options, compute_dtype, get_method, merge_state_dicts
+from featcal.merging.registry import (
+    MergeContext, StateDict, build_options, compute_dtype, data_options, get_method, merge_state_dicts,
+)
 
 SIGNALS = ("geometry", "direction", "demand")
 
@@ -69,8 +71,10 @@ def _real(key: str, value: object) -> float:
 class SigMergeOptions:
     """Options of SigMerge.
 
-    anchor: registered data-free merge that gives θ_A (default "task_arithmetic"); used by
-        ``anchor_merge`` and recorded — ``sigmerge`` itself receives θ_A already computed.
+    anchor: registered merge that gives θ_A (default "task_arithmetic"); a data anchor (RegMean,
+        AdaMerging) reads the context SigMerge is given, its data options (``examples_per_task``)
+        next to ``anchor``; used by ``anchor_merge`` and recorded — ``sigmerge`` itself receives
+        θ_A already computed.
     anchor_options: options of the anchor merge (a plain mapping; None/empty → its defaults).
     c_min, c_max: capacity range, 0 ≤ c_min ≤ c_max ≤ 1 (defaults 0.02 and 0.2, "to tune").
     demand_fraction: fraction of a block's coordinates each expert demands (default 0.2), in (0, 1].
@@ -85,14 +89,17 @@ class SigMergeOptions:
     gamma: float = 1.0
 
     def __post_init__(self) -> None:
-        anchor = get_method(self.anchor)  # ValueError naming the registered methods
-        if anchor.needs:
-            raise ValueError(f"sigmerge: anchor {self.anchor!r} needs {', '.join(sorted(anchor.needs))}; SigMerge "
-                             "repairs a data-free anchor merge")
+        get_method(self.anchor)  # ValueError naming the registered methods
+        if self.anchor == "sigmerge":
+            raise ValueError("sigmerge: the anchor must be another merge method, not sigmerge itself")
         if self.anchor_options is None:
             object.__setattr__(self, "anchor_options", {})
         if not isinstance(self.anchor_options, Mapping):
             raise ValueError(f"sigmerge: option 'anchor_options' must be a mapping, got {self.anchor_options!r}")
+        data = sorted(set(self.anchor_options) & set(data_options(self.anchor)))
+        if data:   # how much data the anchor reads is said where every data option is: next to `anchor`
+            raise ValueError(f"sigmerge: {', '.join(data)} in 'anchor_options' says how much data the anchor "
+                             f"{self.anchor!r} reads; give it as sigmerge's own option, next to 'anchor'")
         try:
             build_options(self.anchor, dict(self.anchor_options))
         except (TypeError, ValueError) as err:
@@ -112,9 +119,13 @@ class SigMergeOptions:
         return out
 
 
-def anchor_merge(base: StateDict, experts: Mapping[str, StateDict], options: SigMergeOptions) -> StateDict:
-    """θ_A: the registered ``options.anchor`` merge of ``experts`` (in the mapping's order)."""
-    return merge_state_dicts(options.anchor, base, list(experts.values()), dict(options.anchor_options))
+def anchor_merge(base: StateDict, experts: Mapping[str, StateDict], options: SigMergeOptions,
+                 context: MergeContext | None = None) -> StateDict:
+    """θ_A: the registered ``options.anchor`` merge of ``experts`` (in the mapping's order); a data
+    anchor reads ``context`` (its record goes to a copy, not to SigMerge's)."""
+    if get_method(options.anchor).needs:
+        context = dataclasses.replace(context, record={}, cache=None) if context is not None else None
+    return merge_state_dicts(options.anchor, base, list(experts.values()), dict(options.anchor_options), context)
 
 
 # --------------------------------------------------------------------------- 1. where: conflict → capacity

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from featcal.families import Family
-from featcal.merging.registry import MergeContext, StateDict, merge_state_dicts, register
-from featcal.merging.sigmerge import SigMergeOptions, block_signals, plot_admitted, sigmerge
+from featcal.merging.registry import MergeContext, StateDict, get_method, register
+from featcal.merging.sigmerge import SigMergeOptions, anchor_merge, block_signals, plot_admitted, sigmerge
 
 
 @torch.no_grad()
@@ -60,7 +60,13 @@ def write_admitted(record: Mapping[str, Any], folder: str | Path) -> None:
     plot_admitted(record, Path(folder) / "admitted.png")
 
 
-@register("sigmerge", SigMergeOptions, needs=("dev_scores", "shared_examples"), report=write_admitted)
+def anchor_needs(options: Mapping[str, Any]) -> frozenset[str]:
+    """What the inner anchor reads (RegMean: activations), which SigMerge's context must then hold too."""
+    return get_method(options.get("anchor", SigMergeOptions.anchor)).needs
+
+
+@register("sigmerge", SigMergeOptions, needs=("dev_scores", "shared_examples"), report=write_admitted,
+          more_needs=anchor_needs)
 def sigmerge_method(
     base: StateDict, experts: Sequence[StateDict], opts: SigMergeOptions, context: MergeContext
 ) -> StateDict:
@@ -75,7 +81,7 @@ def sigmerge_method(
     start = time.perf_counter()
     anchor_key = (opts.anchor, repr(sorted(dict(opts.anchor_options).items())))
     if cache.get("anchor", (None,))[0] != anchor_key:   # the latest inner anchor only
-        cache["anchor"] = (anchor_key, merge_state_dicts(opts.anchor, base, experts, dict(opts.anchor_options)))
+        cache["anchor"] = (anchor_key, anchor_merge(base, expert_states, opts, context))
     anchor_state = cache["anchor"][1]
     anchor_s = time.perf_counter() - start
 

@@ -34,7 +34,7 @@ from featcal.data.encoders import InputEncoder, load_encoder
 from featcal.io.models import load_backbone, load_classifier
 from featcal.io.feature_store import read_group
 from featcal.calibration.walk import CachedExpertStates, ModuleWeights, states_of, walk_all
-from featcal.merging.registry import MergeContext, data_options, get_method
+from featcal.merging.registry import MergeContext, data_options, needs_of
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class SearchSpace:
 
 
 # the needs of a data merge a TuneProblem supplies from what it holds (`TuneProblem.merge_context`)
-SUPPLIED_NEEDS = frozenset({"dev_scores", "shared_examples"})
+SUPPLIED_NEEDS = frozenset({"activations", "dev_scores", "shared_examples"})
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,7 @@ class AnchorSearch:
     """The anchor merge's own knobs (TA's scale, TIES' density, SigMerge's c_min, c_max, ...)
     searched next to a method's: each trial merges the base and the experts in memory with its
     values. Data-free methods, and data methods whose needs the problem holds (`SUPPLIED_NEEDS`:
-    SigMerge's dev scores and shared examples); the others would gather their data again every
-    trial. Trial parameters are named `anchor.<option>`; `options` holds the fixed ones (the params'
+    train batches, dev scores, shared examples). Trial parameters are named `anchor.<option>`; `options` holds the fixed ones (the params'
     merge.options without the data options), `data` the data options (e.g. shared_examples_per_task)."""
 
     method: str
@@ -113,11 +112,11 @@ class AnchorSearch:
     def __post_init__(self) -> None:
         from featcal.merging.registry import build_options
 
-        unsupplied = get_method(self.method).needs - SUPPLIED_NEEDS
+        unsupplied = needs_of(self.method, self.options) - SUPPLIED_NEEDS
         if unsupplied:
             raise ValueError(f"tune.anchor_search: merge method {self.method!r} needs data "
                              f"({', '.join(sorted(unsupplied))}) a trial cannot supply; searchable: data-free "
-                             f"anchors and methods needing only {', '.join(sorted(SUPPLIED_NEEDS))} (sigmerge)")
+                             f"anchors and methods needing only {', '.join(sorted(SUPPLIED_NEEDS))}")
         if not self.ranges:
             raise ValueError("tune.anchor_search: nothing to search")
         for key, rng in self.ranges.items():   # unknown options and out-of-bounds ranges fail here
@@ -170,7 +169,8 @@ def drop_calibration_overlap(split: TaskSplit, encoder: InputEncoder, max_length
 
 class TuneProblem:
     """Everything a trial needs, loaded once: the merged backbone (never modified), the base, the
-    experts, the calibration batches, the experts' cached states per block and the dev splits."""
+    experts, the calibration batches, the experts' cached states per block and the dev splits;
+    `train_batches(n)` gives a data anchor (RegMean inside SigMerge) the merge stage's train sample."""
 
     def __init__(
         self,
@@ -182,6 +182,7 @@ class TuneProblem:
         dev: Mapping[str, DevSplit],
         encoder: InputEncoder,
         family: Family | None = None,
+        train_batches: Callable[[int], Mapping[str, Sequence[Mapping[str, Tensor]]]] | None = None,
     ):
         self.family = family or family_for(merged)
         self.merged = self.family.backbone(merged).eval()
@@ -200,6 +201,8 @@ class TuneProblem:
         self._last_merge: tuple[tuple, nn.Module] | None = None
         self._dev_of: dict[str, dict[str, float]] = {}   # backbone digest -> dev scores (data anchors)
         self._merge_caches: dict[tuple, dict] = {}        # (method, data options) -> MergeContext.cache
+        self._train_batches = train_batches               # n -> each task's first n train examples, batched
+        self._train_of: dict[int, Mapping[str, Sequence[Mapping[str, Tensor]]]] = {}
 
     def states(self, layer: int) -> Mapping[str, Tensor]:
         if layer not in self._states:
@@ -224,14 +227,24 @@ class TuneProblem:
     def merge_context(self, anchor: AnchorSearch) -> MergeContext | None:
         """What a data anchor reads (`SUPPLIED_NEEDS`), from what the problem holds: dev scores on the
         tuning dev split, each distinct backbone scored once (SigMerge's inner anchor is the same in
-        every trial that keeps its options), and as the shared examples each task's first calibration
-        examples (the merge stage's are the same prefix of the same sample). What the method keeps
-        between merges (`MergeContext.cache`) lives as long as the problem. None for data-free methods."""
-        needs = get_method(anchor.method).needs
+        every trial that keeps its options), the train batches from `train_batches` (the merge
+        stage's sample, built once per size), and as the shared examples each task's first
+        calibration examples (the merge stage's are the same prefix of the same sample). What the
+        method keeps between merges (`MergeContext.cache`) lives as long as the problem. None for
+        data-free methods."""
+        needs = needs_of(anchor.method, anchor.options)
         if not needs:
             return None
-        data = {**data_options(anchor.method), **dict(anchor.data)}
+        data = {**data_options(anchor.method, anchor.options), **dict(anchor.data)}
         context = MergeContext(cache=self._merge_caches.setdefault((anchor.method, repr(sorted(data.items()))), {}))
+        if "activations" in needs:
+            n = int(data["examples_per_task"])
+            if self._train_batches is None:
+                raise ValueError(f"merge method {anchor.method!r} with {dict(anchor.options)} reads train batches; "
+                                 "this problem was built without them (TuneProblem(train_batches=...), or load_problem)")
+            if n not in self._train_of:
+                self._train_of[n] = self._train_batches(n)
+            context.batches = self._train_of[n]
         if "dev_scores" in needs:
             context.score_dev = self.score_once
             context.expert_dev = {t: self.score_once(self.family.backbone(self.experts[t]))[t] for t in self.dev}
@@ -331,10 +344,11 @@ def leading_examples(batches: Sequence[Mapping[str, Tensor]], n: int) -> list[di
 def load_problem(
     *, base: str, tasks: Sequence[str], max_length: Mapping[str, int], batch_size: int,
     merged: str | os.PathLike, experts_dir: str | os.PathLike, features: str | os.PathLike,
-    tasks_dir: str | os.PathLike,
+    tasks_dir: str | os.PathLike, seed: int = 0,
 ) -> TuneProblem:
     """Load a problem from files: `merged` (multi-task folder), `experts_dir/<task>`, the
-    expert-feature caches `features/{inputs,layer_XX}.zarr` and `tasks_dir/<task>/dev.parquet`."""
+    expert-feature caches `features/{inputs,layer_XX}.zarr` and `tasks_dir/<task>/dev.parquet`;
+    a data anchor's train batches are the merge stage's (`tasks_dir`'s train split, `seed`)."""
     features = Path(features)
     encoder = load_encoder(str(merged))
     inputs = read_group(features / "inputs.zarr")
@@ -356,9 +370,15 @@ def load_problem(
     def expert_states(layer: int) -> dict[str, Tensor]:
         return states_of(read_group(features / f"layer_{layer:02d}.zarr"), tasks)
 
+    def train_batches(n: int) -> dict[str, list[dict[str, Tensor]]]:
+        from featcal.evaluation.compare import TaskData, calibration_examples, to_batches
+
+        data = TaskData(list(tasks), encoder, str(tasks_dir), dict(max_length), seed)
+        return to_batches(data, calibration_examples(data, n))
+
     return TuneProblem(load_backbone(str(merged)), load_backbone(base),
                        {t: load_classifier(str(Path(experts_dir) / t)) for t in tasks},
-                       batches, expert_states, dev, encoder)
+                       batches, expert_states, dev, encoder, train_batches=train_batches)
 
 
 # --- the objective -------------------------------------------------------------------------------------
