@@ -56,7 +56,7 @@ def main() -> None:
         featcal = dict(get(params, "featcal"))
         if args.featcal_params != "params.yaml":
             tuned = get(load_params(args.featcal_params), "featcal")
-            featcal.update({key: tuned[key] for key in HYPER_KEYS})
+            featcal.update({key: tuned[key] for key in (*HYPER_KEYS, "layer_overrides") if key in tuned})
         config = FeatCalConfig.from_mapping(featcal)
         batches = batches_from_arrays(read_group(f"{args.features}/inputs.zarr"), batch_size)
         batches = distributed.shard_batches({t: batches[t] for t in tasks})

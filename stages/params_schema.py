@@ -416,6 +416,10 @@ def layer_index(key, where: str, depth: int) -> int:
 def check_layers(params: Params, depth: int) -> None:
     for key in params.featcal.layer_overrides:
         layer_index(key, "featcal.layer_overrides", depth)
+    for key in params.tune.search:   # per-block keys, KEY@BLOCK
+        _, at, block = key.partition("@")
+        if at and not int(block) < depth:
+            raise ParamsError(f"tune.search.{key}: no such block; the base model has {depth} blocks, 0..{depth - 1}")
     for i, layer in enumerate(params.tune.prune_after_layers):
         if layer >= depth - 1:
             raise ParamsError(f"tune.prune_after_layers[{i}] = {layer}: prune after one of blocks 0..{depth - 2} "
@@ -426,10 +430,12 @@ def check_search(params: Params) -> None:
     """Search ranges must lie where the hyperparameter is valid."""
     allowed = {f.name: f.metadata["parse"] for f in fields(FeatCal) if f.name in HYPER_KEYS}
     for key, found in params.tune.search.items():
-        if key not in allowed:
-            raise unknown_key("tune.search", key, HYPER_KEYS, "hyperparameter")
-        allowed[key](found.low, f"tune.search.{key}.low")
-        allowed[key](found.high, f"tune.search.{key}.high")
+        hyper, at, block = key.partition("@")   # alpha, or alpha@3 for block 3 alone
+        if hyper not in allowed or (at and not block.isdigit()):
+            raise ParamsError(f"tune.search.{key}: unknown hyperparameter{_closest(hyper, HYPER_KEYS)}; searchable: "
+                              f"{', '.join(HYPER_KEYS)}, each also for one block as KEY@BLOCK (e.g. alpha@0)")
+        allowed[hyper](found.low, f"tune.search.{key}.low")
+        allowed[hyper](found.high, f"tune.search.{key}.high")
     if params.tune.anchor_search:   # merge.method's own options, searched per trial
         from featcal.merging import split_options
         from featcal.tuning.objective import AnchorSearch, Range
@@ -624,14 +630,15 @@ def validate(raw: Any, root: str | Path = ".", *, chain: bool = False, models: b
     return params
 
 
-def validate_tuned(raw: Any) -> dict[str, float]:
-    """tune/best.yaml's `featcal: {alpha, rho, ridge}`, each in its allowed range."""
+def validate_tuned(raw: Any) -> dict:
+    """tune/best.yaml's `featcal: {alpha, rho, ridge}`, each in its allowed range, and the optional
+    per-block `layer_overrides` a KEY@BLOCK search writes."""
     values = mapping(mapping(raw, "").get("featcal"), "featcal")
-    parsers = {f.name: f.metadata["parse"] for f in fields(FeatCal) if f.name in HYPER_KEYS}
+    parsers = {f.name: f.metadata["parse"] for f in fields(FeatCal) if f.name in (*HYPER_KEYS, "layer_overrides")}
     for key in HYPER_KEYS:
         if key not in values:
             raise ParamsError(f"featcal.{key}: missing; it is required")
     for key in values:
         if key not in parsers:
             raise unknown_key("featcal", key, parsers)
-    return {k: parsers[k](values[k], f"featcal.{k}") for k in HYPER_KEYS}
+    return {k: parsers[k](values[k], f"featcal.{k}") for k in values}

@@ -3,6 +3,8 @@
     python stages/tune_anchor.py wudi                          # FeatCal, Surgery, ProbSurgery on WUDI
     python stages/tune_anchor.py task_arithmetic --anchor-search scale=0.1:1.0 --n-trials 48
     python stages/tune_anchor.py ties --sigmerge                # SigMerge(TIES) + FeatCal, (c_min, c_max) searched
+    python stages/tune_anchor.py ties --methods featcal --variant per_layer --search alpha=0:1 rho=0.5:3 \
+        ridge=1e-5:1:log alpha@0=0:1 alpha@1=0:1 alpha@2=0:1 alpha@3=0:1 alpha@4=0:1 alpha@5=0:1
 
 The anchor is merged once with `compare.anchors.<anchor>`'s options (`stages/merge.py` on a params
 file naming it, kept under --work and reused while those options stay the same); then, for each
@@ -15,7 +17,10 @@ are `tune.search`'s and the baselines' own. `--anchor-search` also searches the 
 (`tune.anchor_search`). `--sigmerge` studies SigMerge(anchor) + FeatCal instead: SigMerge repairs
 the anchor (at its compare.anchors options; a data anchor's data options become SigMerge's) and each trial searches its (c_min,
 c_max) (default: over compare.sigmerge.grid's span) next to FeatCal's values; the summary is
-`<anchor>_sigmerge_featcal.json`. The experts' cached features come from the pipeline (`make repro` first).
+`<anchor>_sigmerge_featcal.json`. `--search KEY=LOW:HIGH[:log] ... --variant NAME` runs a study beside
+the protocol's with another FeatCal search (per-layer α: alpha@0=0:1 ... alpha@5=0:1 next to
+alpha, rho, ridge), named and summarised with the suffix NAME. The experts' cached features come
+from the pipeline (`make repro` first).
 """
 
 from __future__ import annotations
@@ -59,16 +64,20 @@ def anchor_params(params: dict, anchor: str, searched: dict[str, list[float]], p
     return out
 
 
-def parse_search(items: list[str]) -> dict[str, list[float]]:
-    """KEY=LOW:HIGH items as tune.anchor_search ranges."""
+def parse_search(items: list[str], flag: str = "--anchor-search") -> dict:
+    """KEY=LOW:HIGH[:log] items as tune.search / tune.anchor_search ranges."""
     out = {}
     for item in items:
         key, _, span = item.partition("=")
-        low, _, high = span.partition(":")
+        low, _, rest = span.partition(":")
+        high, _, scale = rest.partition(":")
         try:
-            out[key] = [float(low), float(high)]
+            if scale not in ("", "log"):
+                raise ValueError(scale)
+            out[key] = {"low": float(low), "high": float(high), "log": True} if scale else [float(low), float(high)]
         except ValueError:
-            raise SystemExit(f"tune_anchor: --anchor-search {item!r}: expected KEY=LOW:HIGH, e.g. scale=0.1:1.0") from None
+            raise SystemExit(f"tune_anchor: {flag} {item!r}: expected KEY=LOW:HIGH or KEY=LOW:HIGH:log, "
+                             "e.g. scale=0.1:1.0") from None
     return out
 
 
@@ -98,6 +107,11 @@ def main() -> None:
     parser.add_argument("--sigmerge", action="store_true",
                         help="SigMerge(anchor) + FeatCal: SigMerge repairs the anchor, its (c_min, c_max) searched "
                              "(default: over compare.sigmerge.grid's span) next to FeatCal's values")
+    parser.add_argument("--search", nargs="+", default=[], metavar="KEY=LOW:HIGH[:log]",
+                        help="FeatCal's search instead of tune.search, e.g. per-layer α: alpha@0=0:1 ... "
+                             "(needs --variant)")
+    parser.add_argument("--variant", help="a study beside the protocol's: its name, summary "
+                                          "(<anchor>_<method>_<variant>.json) and params file carry this suffix")
     parser.add_argument("--experts", default="experts", help="folder of the experts")
     parser.add_argument("--features", default="features/experts", help="the experts' cached calibration features")
     parser.add_argument("--out", default="results/dev_tuning", help="where <anchor>_<method>.json are written")
@@ -109,30 +123,40 @@ def main() -> None:
     methods = args.methods or (["featcal"] if args.sigmerge else list(METHODS[1:]))
     if args.sigmerge and methods != ["featcal"]:
         raise SystemExit("tune_anchor: --sigmerge studies SigMerge(anchor) + FeatCal only (--methods featcal)")
+    if args.search and not args.variant:
+        raise SystemExit("tune_anchor: --search changes the protocol's FeatCal search: name the study with --variant")
+    if args.variant and not args.variant.replace("_", "").isalnum():
+        raise SystemExit(f"tune_anchor: --variant {args.variant!r}: letters, digits and _ only")
     local = anchor_params(params, args.anchor, searched, pooler=not args.no_pooler, sigmerge=args.sigmerge)
+    if args.search:
+        local["tune"]["search"] = parse_search(args.search, "--search")
     options = json.dumps(local["merge"], sort_keys=True)
     name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
     folder = (Path(args.work) / f"{name}-{hashlib.sha1(options.encode()).hexdigest()[:8]}").resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "params.yaml").write_text(yaml.safe_dump(local, sort_keys=False))
+    params_file = folder / (f"params-{args.variant}.yaml" if args.variant else "params.yaml")
+    params_file.write_text(yaml.safe_dump(local, sort_keys=False))
     experts, features, out = (Path(p).resolve() for p in (args.experts, args.features, args.out))
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out / 'study.db'}"
     merged = folder / "merged"
     if not merged.exists():   # the merge stage writes its folder whole or not at all
         print(f"{name}: merging with {local['merge']['options']} -> {merged}", flush=True)
+        (folder / "params.yaml").write_text(yaml.safe_dump(local, sort_keys=False))   # what merge.py reads
         run([sys.executable, str(STAGES / "merge.py"), "--experts", str(experts), "--out", str(merged),
              "--record", str(folder / "record")], folder, folder / "merge.log")
     tag = "-anchor" if searched and not args.sigmerge else ""
+    suffix = f"-{args.variant}" if args.variant else ""
     for method in methods:
-        study = f"{name}{tag}-{method}"
+        study = f"{name}{tag}-{method}{suffix}"
         key = f"sigmerge_{method}" if args.sigmerge else method   # the comparison's method name
+        summary_file = out / (f"{args.anchor}_{key}_{args.variant}.json" if args.variant else f"{args.anchor}_{key}.json")
         print(f"{name}: {method} study {study}", flush=True)
-        run([sys.executable, str(STAGES / "tune.py"), "--params", str(folder / "params.yaml"), "--merged", str(merged),
+        run([sys.executable, str(STAGES / "tune.py"), "--params", str(params_file), "--merged", str(merged),
              "--experts", str(experts), "--features", str(features), "--storage", storage, "--study-name", study,
              *(["--n-trials", str(args.n_trials)] if args.n_trials else []), "--method", method,
-             "--summary", str(out / f"{args.anchor}_{key}.json"), "--score-test"], folder, folder / f"{method}.log")
-        summary = json.loads((out / f"{args.anchor}_{key}.json").read_text())
+             "--summary", str(summary_file), "--score-test"], folder, folder / f"{method}{suffix}.log")
+        summary = json.loads(summary_file.read_text())
         print(f"  dev-best {summary['best']['dev_avg']:.4f} {summary['best']['params']}; test {summary['test']['avg']:.4f}",
               flush=True)
 

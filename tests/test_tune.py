@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from featcal import tuning as tune
 from featcal.tuning import objective
-from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.config import FeatCalConfig, LayerHyper
 from featcal.data.encoders import TextEncoder
 from featcal.data.splits import TaskSplit
 from conftest import DVC, WARM_ENV_KEY, copy_project, stages_run
@@ -77,6 +77,17 @@ def test_search_space_and_settings_are_validated():
             tune.SearchSpace.from_mapping(bad)
     # the pipeline switch is not a FeatCal knob
     assert FeatCalConfig.from_mapping({"alpha": 0.3, "use_tuned": True}).alpha == 0.3
+    # per-block keys: KEY@BLOCK goes to that block's override, the plain key holds for the rest
+    per_block = tune.SearchSpace.from_mapping({"alpha@0": [0, 1], "alpha@1": [0, 1], "rho": [0.5, 3]})
+    base = FeatCalConfig(alpha=0.25, layer_overrides={1: {"alpha": 0.4, "ridge": 0.2}})
+    assert per_block.blocks() == {0, 1} and per_block.defaults(base) == {"alpha@0": 0.25, "alpha@1": 0.4, "rho": 2.2}
+    config = objective.config_with(base, {"alpha@0": 0.1, "alpha@1": 0.7, "rho": 1.5})
+    assert config.layer_overrides == {0: {"alpha": 0.1}, 1: {"alpha": 0.7, "ridge": 0.2}}
+    assert (config.for_layer(0), config.for_layer(1), config.for_layer(2)) == (
+        LayerHyper(0.1, 1.5, 0.05), LayerHyper(0.7, 1.5, 0.2), LayerHyper(0.25, 1.5, 0.05))
+    for bad in ({"alpha@x": [0, 1]}, {"gamma@0": [0, 1]}):
+        with pytest.raises(ValueError, match="KEY@BLOCK"):
+            tune.SearchSpace.from_mapping(bad)
 
 
 def test_dev_examples_seen_by_calibration_are_not_scored():
@@ -268,8 +279,6 @@ def test_the_anchors_own_knob_is_searched_and_each_trial_calibrates_its_own_merg
     written = json.loads(summary.read_text())
     assert written["ran_now"] == 0 and "anchor.scale" in written["best"]["params"] and "avg" in written["test"]
 
-    with pytest.raises(ValueError, match="needs data"):
-        tune.AnchorSearch("regmean", {}, {"off_diagonal": tune.Range(0.1, 0.9)})
     with pytest.raises(ValueError, match="unknown option 'scal'"):
         tune.AnchorSearch(method, options, {"scal": tune.Range(0.1, 1.0)})
 
@@ -378,6 +387,19 @@ def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project,
     assert "merging" not in again and len(trials_of(storage, "task_arithmetic-anchor-featcal")) == 3
     assert [t.params for t in trials_of(storage, "task_arithmetic-anchor-featcal")[:2]] == \
         [t.params for t in featcal_trials]
+
+    # a study beside the protocol's (per-layer α): its own name, summary and params file
+    protocol = (tmp_path / "dev/task_arithmetic_featcal.json").read_text()
+    run([*cmd[:4], "featcal", *cmd[6:], "--n-trials", "1", "--variant", "per_layer",
+         "--search", "alpha@0=0:1", "alpha@1=0:1", "ridge=1e-4:1:log"], project)
+    (trial,) = trials_of(storage, "task_arithmetic-anchor-featcal-per_layer")
+    assert trial.params == {"alpha@0": 0.25, "alpha@1": 0.25, "ridge": 0.05, "anchor.scale": 0.3}
+    assert json.loads((tmp_path / "dev/task_arithmetic_featcal_per_layer.json").read_text())["trials"]["complete"] == 1
+    assert (tmp_path / "dev/task_arithmetic_featcal.json").read_text() == protocol
+    variant = yaml.safe_load((merged.parent / "params-per_layer.yaml").read_text())
+    assert variant["tune"]["search"] == {"alpha@0": [0.0, 1.0], "alpha@1": [0.0, 1.0],
+                                         "ridge": {"low": 1e-4, "high": 1.0, "log": True}}
+    assert "alpha@0" not in yaml.safe_load((merged.parent / "params.yaml").read_text())["tune"]["search"]
 
     # SigMerge(anchor) + FeatCal: SigMerge's defaults first, (c_min, c_max) over compare.sigmerge.grid's span
     run([sys.executable, "stages/tune_anchor.py", "task_arithmetic", "--sigmerge", "--n-trials", "1",
@@ -528,3 +550,29 @@ def test_sigmerge_over_a_data_anchor_takes_the_anchors_data_options_as_its_own(p
     from featcal.merging import split_options
 
     assert split_options("sigmerge", local["merge"]["options"])[1]["examples_per_task"] == 8
+
+
+def test_a_per_block_search_calibrates_each_block_with_its_own_value_and_writes_them_out(project, tmp_path):
+    """alpha@0, alpha@1 (per-layer α): trial 0 is the defaults, a trial's score is the model calibrated
+    with its per-block values, and tune/best.yaml carries them as layer_overrides, which the params
+    check accepts (calibrate-layer@* reads them with featcal.use_tuned)."""
+    from common import load_params   # stages/common.py: what every stage reads params files with
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    problem, base = problem_of(project, params), FeatCalConfig.from_mapping(params["featcal"])
+    space = tune.SearchSpace.from_mapping({"alpha@0": [0, 1], "alpha@1": [0, 1], "ridge": {"low": 1e-4, "high": 1, "log": True}})
+    storage = f"sqlite:///{tmp_path / 'per_block.db'}"
+    outcome = tune.tune(problem, base, space, storage, "per-block", 3, tune.StudySettings(startup_trials=2))
+    trials = trials_of(storage, "per-block")
+    assert trials[0].params == {"alpha@0": base.alpha, "alpha@1": base.alpha, "ridge": base.ridge}
+    last = trials[-1]
+    assert last.params["alpha@0"] != last.params["alpha@1"]
+    config = objective.config_with(base, last.params)
+    scores = problem.score(problem.calibrate(config))
+    assert last.value == pytest.approx(sum(scores.values()) / len(scores), abs=1e-12)
+    best = tune.write_best(tmp_path / "best.yaml", outcome.study, base)
+    wanted = {b: {"alpha": float(f"{outcome.study.best_trial.params[f'alpha@{b}']:.12g}")} for b in (0, 1)}
+    assert best["featcal"]["layer_overrides"] == wanted
+    assert load_params(tmp_path / "best.yaml")["featcal"]["layer_overrides"] == wanted
+    with pytest.raises(ValueError, match="no block 2; the model has 2 blocks"):
+        tune.tune(problem, base, tune.SearchSpace.from_mapping({"alpha@2": [0, 1]}), storage, "per-block-2", 1)

@@ -65,17 +65,41 @@ class Range:
         raise ValueError(f"tune.search.{name}: expected [low, high] or {{low, high, log}}, got {spec!r}")
 
 
+def split_key(key: str) -> tuple[str, int | None]:
+    """A searched key as (hyperparameter, block): "alpha" -> ("alpha", None), "alpha@3" -> ("alpha", 3);
+    ValueError for anything else."""
+    hyper, at, block = key.partition("@")
+    if hyper not in HYPER_KEYS or (at and not block.isdigit()):
+        raise ValueError(f"tune.search: unknown hyperparameter {key!r}; searchable: {', '.join(HYPER_KEYS)}, "
+                         "each also per block as KEY@BLOCK (e.g. alpha@0)")
+    return hyper, int(block) if at else None
+
+
+def config_with(base: FeatCalConfig, values: Mapping[str, float]) -> FeatCalConfig:
+    """`base` with searched values: plain keys replace its α, ρ, λ; KEY@BLOCK ones go into its
+    layer_overrides (over what it already overrides there)."""
+    plain, overrides = {}, {k: dict(v) for k, v in base.layer_overrides.items()}
+    for key, value in values.items():
+        hyper, block = split_key(key)
+        if block is None:
+            plain[hyper] = value
+        else:
+            overrides.setdefault(block, {})[hyper] = value
+    return dataclasses.replace(base, **plain, layer_overrides=overrides)
+
+
 @dataclass(frozen=True)
 class SearchSpace:
-    """The hyperparameters searched and their ranges; the others keep their FeatCalConfig value."""
+    """The hyperparameters searched and their ranges; the others keep their FeatCalConfig value.
+    A key is α, ρ or λ for every block, or KEY@BLOCK for one block (per-layer α: alpha@0, alpha@1, ...;
+    the plain key then holds for the blocks not named and the pooler)."""
 
     ranges: Mapping[str, Range] = field(default_factory=lambda: {
         "alpha": Range(0.0, 1.0), "rho": Range(0.5, 3.0), "ridge": Range(1e-5, 1.0, log=True)})
 
     def __post_init__(self) -> None:
-        bad = set(self.ranges) - set(HYPER_KEYS)
-        if bad:
-            raise ValueError(f"tune.search: unknown hyperparameters {sorted(bad)}; searchable: {list(HYPER_KEYS)}")
+        for key in self.ranges:
+            split_key(key)
         if not self.ranges:
             raise ValueError("tune.search: nothing to search")
 
@@ -83,8 +107,20 @@ class SearchSpace:
     def from_mapping(cls, values: Mapping) -> "SearchSpace":
         return cls({k: Range.parse(k, v) for k, v in values.items()})
 
+    def blocks(self) -> set[int]:
+        """The blocks searched on their own (KEY@BLOCK keys)."""
+        return {b for b in (split_key(k)[1] for k in self.ranges) if b is not None}
+
     def suggest(self, trial: Trial) -> dict[str, float]:
         return {k: trial.suggest_float(k, r.low, r.high, log=r.log) for k, r in self.ranges.items()}
+
+    def defaults(self, base: FeatCalConfig) -> dict[str, float]:
+        """The searched keys' values in `base` (a block's own value where it overrides one)."""
+        out = {}
+        for key in self.ranges:
+            hyper, block = split_key(key)
+            out[key] = getattr(base, hyper) if block is None else getattr(base.for_layer(block), hyper)
+        return out
 
     def contains(self, values: Mapping[str, float]) -> bool:
         return all(values[k] in r for k, r in self.ranges.items())
@@ -393,8 +429,7 @@ def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig
     rest merged) is scored after each listed block and reported, so a pruner may stop the trial.
     """
     def objective(trial: Trial) -> float:
-        values = space.suggest(trial)
-        config = dataclasses.replace(base, **values)
+        config = config_with(base, space.suggest(trial))
         merged = None
         if anchor is not None:
             start = time.perf_counter()

@@ -420,19 +420,26 @@ def summarize(study: optuna.Study) -> dict:
     return out
 
 
-def best_values(study: optuna.Study, base: FeatCalConfig) -> dict[str, float]:
-    """α, ρ, λ of the best complete trial; a hyperparameter not searched keeps its `base` value."""
+def best_values(study: optuna.Study, base: FeatCalConfig) -> dict:
+    """α, ρ, λ of the best complete trial, and its `layer_overrides` when it searched blocks on
+    their own (KEY@BLOCK) or `base` has some; a hyperparameter not searched keeps its `base` value."""
     if not any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
         raise RuntimeError(f"study {study.study_name!r} has no complete trial yet")
     from featcal.calibration.config import HYPER_KEYS
+    from featcal.tuning.objective import config_with
 
     params = study.best_trial.params
-    return {k: float(params.get(k, getattr(base, k))) for k in HYPER_KEYS}
+    config = config_with(base, {k: float(v) for k, v in params.items() if not k.startswith("anchor.")})
+    out = {k: float(getattr(config, k)) for k in HYPER_KEYS}
+    if config.layer_overrides:
+        out["layer_overrides"] = {b: {k: float(v) for k, v in sorted(d.items())}
+                                  for b, d in sorted(config.layer_overrides.items())}
+    return out
 
 
 def write_best(path: str | os.PathLike, study: optuna.Study, base: FeatCalConfig) -> dict:
-    """Write `featcal: {alpha, rho, ridge}` (the best trial's values to 12 significant digits) plus
-    where they came from.
+    """Write `featcal: {alpha, rho, ridge[, layer_overrides]}` (the best trial's values to 12
+    significant digits) plus where they came from.
 
     12 digits, not 17: DVC records the file's values in dvc.lock through ruamel, whose round trip of
     a 17-digit float in exponent form (a λ below 1e-4) moves its last digit; the lock would then
@@ -440,11 +447,17 @@ def write_best(path: str | os.PathLike, study: optuna.Study, base: FeatCalConfig
     from featcal.io.models import atomic_file
 
     summary = summarize(study)
-    doc = {"featcal": {k: float(f"{v:.12g}") for k, v in best_values(study, base).items()},
+    values = best_values(study, base)
+    overrides = values.pop("layer_overrides", {})
+    featcal = {k: float(f"{v:.12g}") for k, v in values.items()}
+    if overrides:   # per-block values (a KEY@BLOCK search), block -> {alpha, ...}
+        featcal["layer_overrides"] = {b: {k: float(f"{v:.12g}") for k, v in d.items()} for b, d in overrides.items()}
+    doc = {"featcal": featcal,
            "study": {"name": study.study_name, "best_trial": summary["best"]["trial"],
                      "dev_avg": summary["best"]["dev_avg"], "trials": summary["trials"]}}
     header = ("# Written by featcal.tuning.write_best: the best trial's values (highest mean dev accuracy).\n"
-              "# With featcal.use_tuned: true, calibrate-layer@* read featcal.alpha/rho/ridge from here.\n")
+              "# With featcal.use_tuned: true, calibrate-layer@* read featcal.alpha/rho/ridge (and\n"
+              "# layer_overrides, per block) from here.\n")
     with atomic_file(path) as tmp:
         tmp.write_text(header + yaml.safe_dump(doc, sort_keys=False))
     return doc
@@ -497,7 +510,11 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
     study.set_user_attr("dev_dropped", {t: d.dropped for t, d in problem.dev.items()})
     existing = count_trials(study)
     log.info("study %r in %s: %d trials counted, target %d", study_name, redacted(storage), existing, n_trials)
-    defaults = {k: getattr(base, k) for k in space.ranges}
+    beyond = sorted(b for b in space.blocks() if b >= problem.n_blocks)
+    if beyond:
+        raise ValueError(f"tune.search: no block {beyond[0]}; the model has {problem.n_blocks} blocks, "
+                         f"0..{problem.n_blocks - 1} (the pooler follows the plain key)")
+    defaults = space.defaults(base)
     anchor_defaults = anchor.defaults() if anchor is not None else {}
     inside = space.contains(defaults) and (anchor is None or bool(anchor_defaults))
     enqueue = {**defaults, **anchor_defaults} if settings.enqueue_defaults and inside else None
