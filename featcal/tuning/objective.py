@@ -135,8 +135,9 @@ class AnchorSearch:
     """The anchor merge's own knobs (TA's scale, TIES' density, SigMerge's c_min, c_max, ...)
     searched next to a method's: each trial merges the base and the experts in memory with its
     values. Data-free methods, and data methods whose needs the problem holds (`SUPPLIED_NEEDS`:
-    train batches, dev scores, shared examples). Trial parameters are named `anchor.<option>`; `options` holds the fixed ones (the params'
-    merge.options without the data options), `data` the data options (e.g. shared_examples_per_task)."""
+    train batches, dev scores, shared examples). Trial parameters are named `anchor.<option>`;
+    `options` holds the fixed ones (the params' merge.options without the data options), `data` the
+    data options (e.g. shared_examples_per_task)."""
 
     method: str
     options: Mapping[str, object]
