@@ -417,8 +417,8 @@ def check_layers(params: Params, depth: int) -> None:
     for key in params.featcal.layer_overrides:
         layer_index(key, "featcal.layer_overrides", depth)
     for key in params.tune.search:   # per-block keys, KEY@BLOCK
-        _, at, block = key.partition("@")
-        if at and not int(block) < depth:
+        block = search_key(key)[1]
+        if block is not None and not block < depth:
             raise ParamsError(f"tune.search.{key}: no such block; the base model has {depth} blocks, 0..{depth - 1}")
     for i, layer in enumerate(params.tune.prune_after_layers):
         if layer >= depth - 1:
@@ -426,14 +426,20 @@ def check_layers(params: Params, depth: int) -> None:
                               f"(the base model has {depth} blocks)")
 
 
+def search_key(key: str) -> tuple[str, int | None]:
+    """A tune.search key as (hyperparameter, block): alpha, or alpha@3 for block 3 alone."""
+    hyper, at, block = key.partition("@")
+    if hyper not in HYPER_KEYS or (at and not block.isdigit()):
+        raise ParamsError(f"tune.search.{key}: unknown hyperparameter{_closest(hyper, HYPER_KEYS)}; searchable: "
+                          f"{', '.join(HYPER_KEYS)}, each also for one block as KEY@BLOCK (e.g. alpha@0)")
+    return hyper, int(block) if at else None
+
+
 def check_search(params: Params) -> None:
     """Search ranges must lie where the hyperparameter is valid."""
     allowed = {f.name: f.metadata["parse"] for f in fields(FeatCal) if f.name in HYPER_KEYS}
     for key, found in params.tune.search.items():
-        hyper, at, block = key.partition("@")   # alpha, or alpha@3 for block 3 alone
-        if hyper not in allowed or (at and not block.isdigit()):
-            raise ParamsError(f"tune.search.{key}: unknown hyperparameter{_closest(hyper, HYPER_KEYS)}; searchable: "
-                              f"{', '.join(HYPER_KEYS)}, each also for one block as KEY@BLOCK (e.g. alpha@0)")
+        hyper = search_key(key)[0]
         allowed[hyper](found.low, f"tune.search.{key}.low")
         allowed[hyper](found.high, f"tune.search.{key}.high")
     if params.tune.anchor_search:   # merge.method's own options, searched per trial

@@ -142,7 +142,8 @@ def main() -> None:
     merged = folder / "merged"
     if not merged.exists():   # the merge stage writes its folder whole or not at all
         print(f"{name}: merging with {local['merge']['options']} -> {merged}", flush=True)
-        (folder / "params.yaml").write_text(yaml.safe_dump(local, sort_keys=False))   # what merge.py reads
+        if args.variant:   # merge.py reads params.yaml; the variant's own file is another
+            (folder / "params.yaml").write_text(yaml.safe_dump(local, sort_keys=False))
         run([sys.executable, str(STAGES / "merge.py"), "--experts", str(experts), "--out", str(merged),
              "--record", str(folder / "record")], folder, folder / "merge.log")
     tag = "-anchor" if searched and not args.sigmerge else ""

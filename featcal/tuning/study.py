@@ -426,10 +426,10 @@ def best_values(study: optuna.Study, base: FeatCalConfig) -> dict:
     if not any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
         raise RuntimeError(f"study {study.study_name!r} has no complete trial yet")
     from featcal.calibration.config import HYPER_KEYS
-    from featcal.tuning.objective import config_with
+    from featcal.tuning.objective import AnchorSearch, config_with
 
     params = study.best_trial.params
-    config = config_with(base, {k: float(v) for k, v in params.items() if not k.startswith("anchor.")})
+    config = config_with(base, {k: float(v) for k, v in params.items() if not k.startswith(AnchorSearch.PREFIX)})
     out = {k: float(getattr(config, k)) for k in HYPER_KEYS}
     if config.layer_overrides:
         out["layer_overrides"] = {b: {k: float(v) for k, v in sorted(d.items())}
