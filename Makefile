@@ -92,8 +92,10 @@ bench-lazy: setup
 	$(PY) bench/pipeline_lazy.py
 
 # One static page of the results, to open offline (no network, images embedded): results/report.html.
-# Reads results/metrics.json, results/compare_defaults.json if it exists, and the plots under results/plots.
+# Reads results/metrics.json, the dev-tuned comparison results/compare.json and the papers'-defaults one
+# results/compare_defaults.json if they exist, and the plots under results/plots.
 .PHONY: report
 report: setup
-	$(PY) stages/report.py --metrics results/metrics.json --compare results/compare_defaults.json \
+	$(PY) stages/report.py --metrics results/metrics.json --tuned results/compare.json \
+	  --compare results/compare_defaults.json \
 	  --plots results/plots --live results/live/finetune --out results/report.html

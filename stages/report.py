@@ -1,7 +1,8 @@
 """`make report`: one static HTML page of the results (featcal.evaluation.report), to open offline.
 
-Reads the headline metrics (--metrics), the comparison (--compare, left out when the file does not
-exist), every result plot under --plots and, with --live, the DVCLive logs under that folder (one
+Reads the headline metrics (--metrics), the dev-tuned comparison (--tuned, results/compare.json of
+stages/compare_tuned.py) and the papers'-defaults one (--compare), each left out when its file does not
+exist, every result plot under --plots and, with --live, the DVCLive logs under that folder (one
 sub-folder per run, e.g. results/live/finetune/<task>), drawn as one figure of curves; writes the
 page to --out. Not a DVC stage: it only re-reads what the stages wrote.
 """
@@ -9,6 +10,7 @@ page to --out. Not a DVC stage: it only re-reads what the stages wrote.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from warm_start import start_stage
 
 start_stage()   # the stage environment; returns unless a warm interpreter ran this stage (stages/warm_start.py)
 
-from featcal.evaluation.report import write_report  # noqa: E402
+from featcal.evaluation.report import Table, write_report  # noqa: E402
+from featcal.tuning.comparison import rows_from_mapping, table_cells  # noqa: E402
 
 LIVE_CAPTION = "Fine-tuning, per task: train loss and dev accuracy per epoch (DVCLive, stage finetune)"
 
@@ -30,10 +33,23 @@ def read_live(folder: Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
     return curves
 
 
+def tuned_table(path: Path) -> Table | None:
+    """results/compare.json as the page's table, the rows dev picks in bold; None when it does not exist."""
+    if not path.is_file():
+        return None
+    compared = json.loads(path.read_text())
+    rows = rows_from_mapping(compared["anchors"])
+    picks = {(p["anchor"], p["method"]) for p in (compared.get("dev_best"), compared.get("dev_best_featcal")) if p}
+    header, cells = table_cells(rows, compared["tasks"])
+    return Table(header, cells, text_cols=2,
+                 bold=frozenset(i for i, r in enumerate(rows) if (r.anchor, r.method) in picks))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--metrics", required=True, help="the headline metrics JSON (results/metrics.json)")
     parser.add_argument("--compare", help="the comparison JSON (results/compare_defaults.json), if it exists")
+    parser.add_argument("--tuned", help="the dev-tuned comparison JSON (results/compare.json), if it exists")
     parser.add_argument("--plots", required=True, help="the folder of result plots (results/plots)")
     parser.add_argument("--live", help="a folder of DVCLive logs to draw (results/live/finetune), if it exists")
     parser.add_argument("--out", required=True, help="where the page is written (results/report.html)")
@@ -47,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
             plot_training_curves(curves, Path(tmp) / "finetune_curves.png")
             extra.append((Path(tmp) / "finetune_curves.png", LIVE_CAPTION))
         try:
-            out = write_report(args.out, args.metrics, args.plots, args.compare, extra)
+            out = write_report(args.out, args.metrics, args.plots, args.compare, extra,
+                               tuned=tuned_table(Path(args.tuned)) if args.tuned else None)
         except FileNotFoundError as err:
             raise SystemExit(f"report: error: {err}") from None
     print(f"wrote {out}")

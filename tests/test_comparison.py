@@ -45,6 +45,15 @@ def test_a_study_without_test_scores_or_an_anchor_without_its_own_scores_is_refu
         comparison_rows(0.8, alone, {("wudi", "featcal"): summary(0.75, 0.72, {})}, 16, 2)
 
 
+def test_the_table_rounds_a_studys_test_scores_once():
+    """0.638522 is 63.9 %, not 63.85 % rounded again to 63.8."""
+    study = summary(0.75, 0.72, {})
+    study["test"]["a"] = 0.638522
+    rows = comparison_rows(0.8, {"ties": {"avg": 0.7, "a": 0.7, "b": 0.7}}, {("ties", "featcal"): study}, 16, 2)
+    assert rows[1].test["a"] == 0.638522
+    assert "| ties | featcal | 63.9 | 71.0 |" in markdown_table(rows, TASKS)
+
+
 def test_gap_and_extra_parameters():
     assert gap(0.7, 0.6, 0.8) == pytest.approx(0.5) and gap(0.7, 0.8, 0.8) is None
     assert extra_parameters("featcal", {}, 384, 6) == 0

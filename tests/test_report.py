@@ -20,6 +20,7 @@ import pytest
 
 from featcal.evaluation import plots
 from featcal.evaluation.report import find_plots, render, write_report
+from featcal.tuning.comparison import as_mapping, comparison_rows
 from tiny_project import ROOT
 
 sys.path.insert(0, str(ROOT / "stages"))
@@ -107,6 +108,26 @@ def test_the_page_holds_everything_it_shows(tmp_path):
     assert "compare_defaults.json" not in no_compare and "<img" not in no_compare
 
 
+def test_the_dev_tuned_comparison_is_a_table_of_the_page_with_dev_picks_in_bold(tmp_path):
+    """results/compare.json (stages/compare_tuned.py's shape) read back as rows and text cells."""
+    study = {"study": "s", "best": {"dev_avg": 0.76, "params": {"rank": 4}}, "trials": {"complete": 3},
+             "trial_wall_s": {"mean": 2.0}, "test": {"avg": 0.71, "sentiment": 0.7, "topic": 0.72}}
+    featcal = {**study, "best": {"dev_avg": 0.75, "params": {"alpha": 0.3}}, "test": {**study["test"], "avg": 0.7249}}
+    rows = comparison_rows(0.8, {"ties": {"avg": 0.6, "sentiment": 0.6, "topic": 0.6}},
+                           {("ties", "featcal"): featcal, ("ties", "surgery"): study}, width=4, n_tasks=2)
+    (tmp_path / "compare.json").write_text(json.dumps({
+        "tasks": ["sentiment", "topic"], "anchors": as_mapping(rows),
+        "dev_best": {"anchor": "ties", "method": "surgery"}, "dev_best_featcal": {"anchor": "ties", "method": "featcal"}}))
+    table = stages_report.tuned_table(tmp_path / "compare.json")
+    assert [line[:2] for line in table.rows] == [["ties", "alone"], ["ties", "featcal"], ["ties", "surgery"]]
+    assert table.bold == frozenset({1, 2}) and table.rows[1][4] == "72.5" and table.rows[2][-1] == "64"
+    page = render(tiny_metrics(), [], None, tuned=table)
+    assert "<code>results/compare.json</code>" in page
+    assert '<tr class="head"><td class="name">ties</td><td class="name">surgery</td>' in page
+    assert stages_report.tuned_table(tmp_path / "missing.json") is None
+    assert "compare.json" not in render(tiny_metrics(), [], None)
+
+
 def test_make_report_writes_the_page_without_an_active_virtualenv(tmp_path):
     """`make report` in a copy of the project's Makefile, pins and results, with no virtualenv on PATH."""
     project = tmp_path / "project"
@@ -114,7 +135,8 @@ def test_make_report_writes_the_page_without_an_active_virtualenv(tmp_path):
     for name in ("Makefile", "requirements.txt", "requirements.lock", "pyproject.toml"):
         shutil.copy2(ROOT / name, project / name)          # older than the venv's install stamp: no re-install
     shutil.copytree(ROOT / "stages", project / "stages", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(ROOT / "results/metrics.json", project / "results/metrics.json")
+    for name in ("metrics.json", "compare.json"):
+        shutil.copy2(ROOT / "results" / name, project / "results" / name)
     (project / "results/plots").mkdir()
     shutil.copy2(ROOT / "results/plots/drift.png", project / "results/plots/drift.png")
     (project / ".venv").symlink_to(ROOT / ".venv")
@@ -132,6 +154,8 @@ def test_make_report_writes_the_page_without_an_active_virtualenv(tmp_path):
     page = (project / "results/report.html").read_text()
     assert page.count("<img ") == 2 and "compare_defaults.json" not in page   # no comparison yet: its table is left out
     assert "Fine-tuning, per task: train loss and dev accuracy per epoch" in page
+    best = json.loads((ROOT / "results/compare.json").read_text())["dev_best"]   # the dev-tuned table, its pick in bold
+    assert f'<tr class="head"><td class="name">{best["anchor"]}</td><td class="name">{best["method"]}</td>' in page
     curves = stages_report.read_live(project / "results/live/finetune")
     assert curves == {"a": {"dev_accuracy": [(1, 0.5), (2, 0.7)], "train_loss": [(1, 0.9), (2, 0.6)]},
                       "b": {"dev_accuracy": [(1, 0.6)], "train_loss": [(1, 1.1)]}}
@@ -148,7 +172,8 @@ def test_the_page_renders_offline_in_chromium(tmp_path):
     assert Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: run `bash tests/system_deps.sh` as root (Debian chromium)"
     compare = ROOT / "results/compare_defaults.json"
     page_path = write_report(tmp_path / "report.html", ROOT / "results/metrics.json", ROOT / "results/plots",
-                             compare if compare.exists() else None)
+                             compare if compare.exists() else None,
+                             tuned=stages_report.tuned_table(ROOT / "results/compare.json"))
     expected_images = len(find_plots(ROOT / "results/plots"))
     assert expected_images >= 1
     requests, errors = [], []

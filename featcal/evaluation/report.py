@@ -1,5 +1,5 @@
-"""One static HTML page of the results, to read offline: the headline metrics, every result plot and
-the comparison table.
+"""One static HTML page of the results, to read offline: the headline metrics, the dev-tuned
+comparison, every result plot and the papers'-defaults comparison.
 
 The page holds everything it shows: each plot is a base64 `data:` image, the style sheet is inline,
 there is no script and no external address, so it opens from disk with no network.
@@ -12,6 +12,7 @@ import html
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 # The result plots in page order: (path under the plots folder, a glob for a folder of them; caption).
@@ -23,6 +24,11 @@ PLOTS = (
                               "anchor (compare/dvc.yaml:sample-efficiency)"),
     ("corruption.png", "Calibration on corrupted texts, scored on clean test data (compare/dvc.yaml:corruption)"),
     ("sigmerge/*.png", "SigMerge's admitted coordinates, anchor {stem} (compare/dvc.yaml:sigmerge)"),
+    ("compare_tuned_per_task.png", "Per task, test accuracy: the experts, the dev-best model's anchor alone, that "
+                                   "model and the dev-best FeatCal pipeline (stages/compare_tuned.py)"),
+    ("compare_tuned_featcal_history.png", "The dev-best FeatCal study of the comparison: each trial's average dev "
+                                          "accuracy and the best so far (stages/compare_tuned.py)"),
+    ("compare_tuned_featcal_importance.png", "Parameter importances of that study (stages/compare_tuned.py)"),
     ("tune_history.png", "Tuning history: each trial's average dev accuracy and the best so far (stage tune)"),
     ("tune_importance.png", "Parameter importances of the tuning study (stage tune)"),
 )
@@ -51,6 +57,15 @@ def find_plots(plots_dir: str | os.PathLike) -> list[tuple[Path, str]]:
             if path.is_file():
                 found.append((path, caption.format(stem=path.stem)))
     return found
+
+
+@dataclass(frozen=True)
+class Table:
+    """Text cells made elsewhere (the dev-tuned comparison's come from featcal.tuning.comparison)."""
+    header: list[str]
+    rows: list[list[str]]
+    text_cols: int = 1                  # leading name columns, left-aligned
+    bold: frozenset[int] = frozenset()  # rows that stand out
 
 
 def _pct(value) -> str:
@@ -107,11 +122,19 @@ def figure(path: str | os.PathLike, caption: str) -> str:
 
 
 def render(metrics: dict, plots: list[tuple[str | os.PathLike, str]], compare: dict | None = None,
-           title: str = "featcal results") -> str:
-    """The page: the headline metrics, each plot in `plots` (path, caption) embedded, and the
-    comparison table when `compare` is given."""
+           title: str = "featcal results", tuned: Table | None = None) -> str:
+    """The page: the headline metrics, the dev-tuned comparison when `tuned` is given, each plot in
+    `plots` (path, caption) embedded, and the papers'-defaults comparison when `compare` is given."""
     parts = [f"<h1>{html.escape(title)}</h1>",
              "<h2>Headline: test accuracy (%), <code>results/metrics.json</code></h2>", metrics_table(metrics)]
+    if tuned is not None:
+        parts += ["<h2>Every method tuned on dev with the same budget, test read once: test accuracy (%), "
+                  "<code>results/compare.json</code></h2>",
+                  "<p>Each (anchor, method) at its study's dev-best configuration; gap closed = (method − anchor) / "
+                  "(experts − anchor), vs TA the same of Task Arithmetic's gap; search s: the study's trials; "
+                  "extra params: what the deployed model carries beyond the merged backbone. Bold: the rows dev "
+                  "picks, overall and among the FeatCal pipelines.</p>",
+                  _table(tuned.header, tuned.rows, tuned.text_cols, tuned.bold)]
     if plots:
         parts += ["<h2>Plots</h2>", *(figure(p, c) for p, c in plots)]
     if compare is not None:
@@ -130,17 +153,18 @@ def render(metrics: dict, plots: list[tuple[str | os.PathLike, str]], compare: d
 
 def write_report(out: str | os.PathLike, metrics: str | os.PathLike, plots_dir: str | os.PathLike,
                  compare: str | os.PathLike | None = None,
-                 extra_plots: Sequence[tuple[str | os.PathLike, str]] = ()) -> Path:
+                 extra_plots: Sequence[tuple[str | os.PathLike, str]] = (), tuned: Table | None = None) -> Path:
     """Read the results at these paths and write the page to `out` (atomically); a `compare` path
     that does not exist leaves the comparison out; `extra_plots` (path, caption) follow the result
-    plots. Returns `out`."""
+    plots; `tuned` is the dev-tuned comparison's table. Returns `out`."""
     metrics_path = Path(metrics)
     if not metrics_path.is_file():
         raise FileNotFoundError(f"no metrics at {metrics_path}: run the pipeline first (make repro)")
     compare_data = None
     if compare is not None and Path(compare).is_file():
         compare_data = json.loads(Path(compare).read_text())
-    page = render(json.loads(metrics_path.read_text()), [*find_plots(plots_dir), *extra_plots], compare_data)
+    page = render(json.loads(metrics_path.read_text()), [*find_plots(plots_dir), *extra_plots], compare_data,
+                  tuned=tuned)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")

@@ -76,7 +76,7 @@ def comparison_rows(
             if not summary.get("test"):
                 raise ValueError(f"study {anchor}/{method} ({summary.get('study')}) has no test scores: "
                                  "re-run it with --score-test")
-            test = {k: round(float(v), 4) for k, v in summary["test"].items()}
+            test = {k: float(v) for k, v in summary["test"].items()}   # rounded once, where shown
             params = dict(summary["best"]["params"])
             n = int(summary.get("trials", {}).get("complete", 0))
             rows.append(ComparisonRow(
@@ -119,17 +119,28 @@ def as_mapping(rows: list[ComparisonRow]) -> dict[str, dict[str, dict]]:
     return out
 
 
-def markdown_table(rows: list[ComparisonRow], tasks: list[str]) -> str:
-    """One line per (anchor, method): test per task, average, gaps closed, dev, search cost, extra parameters."""
+def rows_from_mapping(anchors: Mapping[str, Mapping[str, Mapping]]) -> list[ComparisonRow]:
+    """`as_mapping`'s inverse: results/compare.json's "anchors" back as rows, in its order."""
+    return [ComparisonRow(anchor, method, **fields) for anchor, methods in anchors.items()
+            for method, fields in methods.items()]
+
+
+def table_cells(rows: list[ComparisonRow], tasks: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Header and text cells, one line per (anchor, method): test per task, average, gaps closed, dev,
+    search cost, extra parameters (accuracies in %, rounded once, here)."""
     head = ["anchor", "method", *tasks, "test avg", "gap closed", "vs TA", "dev avg", "search s", "extra params"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def pct(x: float | None) -> str:
         return "–" if x is None else f"{100 * x:.1f}"
 
-    for r in rows:
-        cells = [r.anchor, r.method, *(pct(r.test.get(t)) for t in tasks), pct(r.test_avg), pct(r.gap_closed),
-                 pct(r.gap_closed_vs_ta), pct(r.dev_avg), f"{r.search_s:.0f}" if r.trials else "–",
-                 f"{r.extra_parameters:,}"]
-        lines.append("| " + " | ".join(cells) + " |")
+    return head, [[r.anchor, r.method, *(pct(r.test.get(t)) for t in tasks), pct(r.test_avg), pct(r.gap_closed),
+                   pct(r.gap_closed_vs_ta), pct(r.dev_avg), f"{r.search_s:.0f}" if r.trials else "–",
+                   f"{r.extra_parameters:,}"] for r in rows]
+
+
+def markdown_table(rows: list[ComparisonRow], tasks: list[str]) -> str:
+    """`table_cells` as a Markdown table."""
+    head, cells = table_cells(rows, tasks)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(line) + " |" for line in cells]
     return "\n".join(lines) + "\n"
