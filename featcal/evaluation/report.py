@@ -41,7 +41,8 @@ body { font-family: sans-serif; margin: 2em auto; max-width: 1100px; padding: 0 
 h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 2em; border-bottom: 1px solid #ccc; }
 table { border-collapse: collapse; font-size: 0.9em; margin: 0.5em 0; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
-th:first-child, td:first-child, td.name { text-align: left; }
+th:first-child, td:first-child, th.name, td.name { text-align: left; }
+div.wide { overflow-x: auto; }
 thead th { background: #f2f2f2; } tr.head td { font-weight: bold; }
 figure { margin: 1.5em 0; } figure img { max-width: 100%; border: 1px solid #ddd; }
 figcaption { font-size: 0.9em; color: #555; margin-top: 0.3em; }
@@ -74,13 +75,14 @@ def _pct(value) -> str:
 
 def _table(header: list[str], rows: list[list[str]], text_cols: int = 1, bold: frozenset[int] = frozenset()) -> str:
     """An HTML table; the first `text_cols` columns are names (left-aligned), rows in `bold` stand out."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    head = "".join(f'<th class="name">{html.escape(h)}</th>' if j < text_cols else f"<th>{html.escape(h)}</th>"
+                   for j, h in enumerate(header))
     body = []
     for i, row in enumerate(rows):
         cells = "".join((f'<td class="name">{html.escape(c)}</td>' if j < text_cols else f"<td>{html.escape(c)}</td>")
                         for j, c in enumerate(row))
         body.append(f'<tr class="head">{cells}</tr>' if i in bold else f"<tr>{cells}</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f"<div class=\"wide\"><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 
 def metrics_table(metrics: dict) -> str:
