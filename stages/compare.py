@@ -5,7 +5,10 @@ compare:            per anchor merge (every registered anchor in compare.anchors
                     + Surgery, + ProbSurgery, + FeatCal; accuracy, wall time and peak RSS of each.
 sample-efficiency:  the three calibrations at several calibration-set sizes (Task Arithmetic anchor).
 corruption:         the three calibrations on corrupted calibration texts, scored on clean test data.
-All methods read the same train-split calibration examples; everything is scored on test.
+All methods read the same train-split calibration examples; everything is scored on test. Each
+method runs at its paper's defaults with compare.<method>'s overrides: FeatCal's α, ρ, λ and pooler
+are the spec's, not the default pipeline's dev-tuned `featcal` values (its run settings, e.g.
+product_dtype and device, do come from `featcal`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,19 @@ from tqdm.auto import tqdm
 
 from featcal.evaluation import compare as cmp
 from featcal.baselines.surgery import ProbSurgeryConfig, SurgeryConfig
-from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.config import HYPER_KEYS, FeatCalConfig
 from featcal.io.models import write_json
 from featcal.evaluation.plots import plot_compare, plot_corruption, plot_lines
+
+
+SPEC_KEYS = (*HYPER_KEYS, "calibrate_pooler", "layer_overrides")   # FeatCal's method values, as the spec sets them
+
+
+def compare_featcal(featcal: dict, overrides: dict) -> FeatCalConfig:
+    """FeatCal for the comparison: `featcal`'s run settings, the spec's method values (one α, ρ, λ for
+    every block, the pooler as merged) and then `overrides` (compare.featcal)."""
+    spec = FeatCalConfig()
+    return FeatCalConfig.from_mapping({**featcal, **{k: getattr(spec, k) for k in SPEC_KEYS}, **overrides})
 
 
 def main() -> None:
@@ -41,7 +54,7 @@ def main() -> None:
     bench = cmp.load_workbench(get(params, "model.base"), {t: str(Path(args.experts) / t) for t in tasks},
                                get(params, "tasks_dir"), {t: max_length(params, t) for t in tasks},
                                int(get(params, "seed")), int(get(params, "calibration.batch_size")))
-    featcal_config = FeatCalConfig.from_mapping(get(params, "featcal"))
+    featcal_config = compare_featcal(get(params, "featcal"), settings.get("featcal", {}))
     surgery = SurgeryConfig(progress=False, **settings.get("surgery", {}))
     probsurgery = ProbSurgeryConfig(progress=False, **settings.get("probsurgery", {}))
     experts = cmp.score_experts(bench)

@@ -26,6 +26,7 @@ from featcal.io.feature_store import COMPRESSORS, STORAGE_DTYPES
 
 CHAIN_FILE = "stages/chain.yaml"
 HYPER_KEYS = ("alpha", "rho", "ridge")
+COMPARE_FEATCAL_KEYS = (*HYPER_KEYS, "calibrate_pooler")   # compare.featcal: FeatCal's method values, over the spec's
 CACHE_DTYPES = tuple(STORAGE_DTYPES)   # float32 | bfloat16 | float16 | float64 (models run in float64)
 CACHE_COMPRESSORS = COMPRESSORS
 # scheme://user:password@host — a password written into params would be recorded in dvc.lock
@@ -320,6 +321,8 @@ class Compare:
     sample_sizes: list = knob(list_of(integer(1), 1), factory=lambda: [128])
     corruptions: list = knob(list_of(text), factory=list)
     corruption_rate: float = knob(real(0, 1), 0.2)
+    featcal: dict = knob(subset_of(FeatCal, tuple(f.name for f in fields(FeatCal) if f.name not in COMPARE_FEATCAL_KEYS)),
+                         factory=dict)
     surgery: dict = knob(mapping, factory=dict)
     probsurgery: dict = knob(mapping, factory=dict)
     sigmerge: CompareSigmerge = nested(CompareSigmerge)

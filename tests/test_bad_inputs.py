@@ -142,6 +142,8 @@ PARAM_CASES = [
     ("cache.compressor", "lz4", ["cache.compressor = 'lz4'", "none, zstd, gzip"]),
     ("compare.corruptions", ["typo"], ["compare.corruptions[0] = 'typo'", "did you mean 'typos'"]),
     ("compare.surgery", {"iteratons": 5}, ["compare.surgery.iteratons", "did you mean 'iterations'"]),
+    ("compare.featcal", {"product_dtype": "float32"}, ["compare.featcal.product_dtype", "known keys: alpha, calibrate_pooler, rho, ridge"]),
+    ("compare.featcal", {"alpha": 1.5}, ["compare.featcal.alpha = 1.5", "[0, 1]"]),
 ]
 
 

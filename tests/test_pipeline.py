@@ -246,6 +246,25 @@ def test_compare_stages_write_their_results_outside_the_default_run(project):
         assert (project / f"results/plots/sigmerge/{anchor}.png").exists()
 
 
+def test_the_comparison_runs_featcal_at_the_spec_defaults_not_at_the_default_pipelines_tuned_values():
+    """compare/dvc.yaml is the papers'-defaults comparison: the dev-tuned `featcal` values of params.yaml
+    (and per-block overrides) do not leak into it; its run settings and compare.featcal do."""
+    sys.path.insert(0, str(ROOT / "stages"))
+    import compare as compare_stage   # stages/compare.py
+
+    spec = FeatCalConfig()
+    tuned = {"alpha": 0.035, "rho": 2.64, "ridge": 0.015, "calibrate_pooler": True, "product_dtype": "float64",
+             "layer_overrides": {0: {"alpha": 0.5}}, "use_tuned": False}
+    config = compare_stage.compare_featcal(tuned, {})
+    assert (config.alpha, config.rho, config.ridge, config.calibrate_pooler, config.layer_overrides) == (
+        spec.alpha, spec.rho, spec.ridge, spec.calibrate_pooler, {})
+    assert config.product_dtype == "float64"
+    assert compare_stage.compare_featcal(tuned, {"alpha": 0.5, "calibrate_pooler": True}).for_layer(3).alpha == 0.5
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    ours = compare_stage.compare_featcal(params["featcal"], params["compare"]["featcal"])
+    assert (ours.alpha, ours.rho, ours.ridge, ours.calibrate_pooler) == (0.25, 2.2, 0.05, False)
+
+
 def test_sigmerge_as_the_pipeline_merge_feeds_the_calibration_chain(project):
     project, _ = project
     params = yaml.safe_load((project / "params.yaml").read_text())
