@@ -37,10 +37,14 @@ def tuned_table(path: Path) -> Table | None:
     """results/compare.json as the page's table, the rows dev picks in bold; None when it does not exist."""
     if not path.is_file():
         return None
-    compared = json.loads(path.read_text())
-    rows = rows_from_mapping(compared["anchors"])
-    picks = {(p["anchor"], p["method"]) for p in (compared.get("dev_best"), compared.get("dev_best_featcal")) if p}
-    header, cells = table_cells(rows, compared["tasks"])
+    try:
+        compared = json.loads(path.read_text())
+        rows = rows_from_mapping(compared["anchors"])
+        picks = {(p["anchor"], p["method"]) for p in (compared.get("dev_best"), compared.get("dev_best_featcal")) if p}
+        header, cells = table_cells(rows, compared["tasks"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise SystemExit(f"report: error: {path} is not stages/compare_tuned.py's comparison "
+                         f"({type(err).__name__}: {err}); re-run python stages/compare_tuned.py") from None
     return Table(header, cells, text_cols=2,
                  bold=frozenset(i for i, r in enumerate(rows) if (r.anchor, r.method) in picks))
 

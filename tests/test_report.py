@@ -125,6 +125,9 @@ def test_the_dev_tuned_comparison_is_a_table_of_the_page_with_dev_picks_in_bold(
     assert "<code>results/compare.json</code>" in page
     assert '<tr class="head"><td class="name">ties</td><td class="name">surgery</td>' in page
     assert stages_report.tuned_table(tmp_path / "missing.json") is None
+    (tmp_path / "old.json").write_text(json.dumps({"anchors": {"ties": {"featcal": {"avg": 0.7}}}}))
+    with pytest.raises(SystemExit, match=r"old.json is not stages/compare_tuned.py's comparison .*compare_tuned.py"):
+        stages_report.tuned_table(tmp_path / "old.json")
     assert "compare.json" not in render(tiny_metrics(), [], None)
 
 
