@@ -45,13 +45,17 @@ def test_a_study_without_test_scores_or_an_anchor_without_its_own_scores_is_refu
         comparison_rows(0.8, alone, {("wudi", "featcal"): summary(0.75, 0.72, {})}, 16, 2)
 
 
-def test_the_table_rounds_a_studys_test_scores_once():
-    """0.638522 is 63.9 %, not 63.85 % rounded again to 63.8."""
+def test_the_table_rounds_a_studys_test_scores_and_gaps_once():
+    """0.638522 is 63.9 %, not 63.85 % rounded again to 63.8: a test score and a gap closed alike."""
     study = summary(0.75, 0.72, {})
     study["test"]["a"] = 0.638522
     rows = comparison_rows(0.8, {"ties": {"avg": 0.7, "a": 0.7, "b": 0.7}}, {("ties", "featcal"): study}, 16, 2)
     assert rows[1].test["a"] == 0.638522
     assert "| ties | featcal | 63.9 | 71.0 |" in markdown_table(rows, TASKS)
+    study["test"]["avg"] = 0.7638522   # the gap closed, 0.638522 of 0.1, is 63.9 % too
+    rows = comparison_rows(0.8, {"ties": {"avg": 0.7, "a": 0.7, "b": 0.7}}, {("ties", "featcal"): study}, 16, 2)
+    assert rows[1].gap_closed == pytest.approx(0.638522)
+    assert "| 76.4 | 63.9 |" in markdown_table(rows, TASKS)
 
 
 def test_gap_and_extra_parameters():

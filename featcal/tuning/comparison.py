@@ -34,8 +34,9 @@ class ComparisonRow:
 
 
 def gap(value: float, anchor: float, experts: float) -> float | None:
-    """(value − anchor) / (experts − anchor); None when the anchor has no gap to close."""
-    return None if abs(experts - anchor) < 1e-12 else round((value - anchor) / (experts - anchor), 4)
+    """(value − anchor) / (experts − anchor); None when the anchor has no gap to close. Unrounded: the
+    table rounds it once, where shown."""
+    return None if abs(experts - anchor) < 1e-12 else (value - anchor) / (experts - anchor)
 
 
 def extra_parameters(method: str, hyperparameters: Mapping, width: int, n_tasks: int) -> int:
