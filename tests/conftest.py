@@ -111,6 +111,17 @@ def tiny_bert(seed: int = 0, layers: int = 2, *, vocab: int = 60, hidden: int = 
     return model if dtype is None else model.to(dtype)
 
 
+def tiny_mpnet(seed: int = 0, layers: int = 2, *, vocab: int = 60, hidden: int = 24, num_labels: int = 2):
+    """A seeded random MPNet sequence classifier (4 heads, pad 1 as the real one's), in eval mode. Its
+    relative position table has the 32 buckets the encoder always asks for."""
+    import torch
+    from transformers import MPNetConfig, MPNetForSequenceClassification
+    torch.manual_seed(seed)
+    cfg = MPNetConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      intermediate_size=2 * hidden, max_position_embeddings=32, num_labels=num_labels)
+    return MPNetForSequenceClassification(cfg).eval()
+
+
 def tiny_t5(seed: int = 0, encoder_layers: int = 2, decoder_layers: int = 2, *, vocab: int = 60,
             num_labels: int = 2) -> T5ForSequenceClassification:
     """A seeded random T5 sequence classifier (pad 0, EOS 1, the decoder starting from 0), in eval mode."""

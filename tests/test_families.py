@@ -92,6 +92,15 @@ def bert() -> nn.Module:
                      pad_token_id=PAD)
 
 
+def mpnet() -> nn.Module:
+    return tf.MPNetForSequenceClassification(tf.MPNetConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=FFN, max_position_embeddings=40, num_labels=3,   # 32 position buckets: the encoder
+        # always asks for 32, whatever the config says
+        pad_token_id=PAD,
+    ))
+
+
 def vit() -> nn.Module:
     return tf.ViTForImageClassification(tf.ViTConfig(
         image_size=IMAGE, patch_size=PATCH, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
@@ -143,6 +152,10 @@ CASES = {
         lambda seed, task: text_batch(seed, [9, 5, 7, 3], 9, task, token_type_ids=True),
         head=lambda m, f: m.classifier(torch.tanh(m.bert.pooler.dense(f))),
         full_head=lambda m, b: m(**b).logits,
+    ),
+    "mpnet": Case(
+        "mpnet", seeded(mpnet), lambda seed, task: text_batch(seed, [9, 5, 7, 3], 9, task),
+        head=lambda m, f: m.classifier(f[:, None, :]), full_head=lambda m, b: m(**b).logits,
     ),
     "vit": Case(
         "vit", seeded(vit), lambda seed, task: image_batch(seed, 4, task),
@@ -236,6 +249,7 @@ def task_arithmetic(base: nn.Module, experts: dict[str, nn.Module], scale: float
 # Each case's transformer blocks in forward order, by the model's own attribute names (not featcal's).
 BLOCKS: dict[str, Callable[[nn.Module], list[nn.Module]]] = {
     "bert": lambda m: list(m.bert.encoder.layer),
+    "mpnet": lambda m: list(m.mpnet.encoder.layer),
     "vit": lambda m: list(m.vit.layers if hasattr(m.vit, "layers") else m.vit.encoder.layer),
     "clip": lambda m: list(m.vision_model.encoder.layers),
     "llama": lambda m: list(m.model.layers),

@@ -15,7 +15,7 @@ from featcal.calibration.lazy import calibrate_lazy
 from featcal.io.feature_store import StoreFormat, read_group, write_group
 from featcal.tuning import TuneProblem
 from featcal.calibration.walk import ModuleWeights, walk_all
-from conftest import batches_for, perturbed, save_models, tiny_bert, tiny_t5, with_eos
+from conftest import batches_for, perturbed, save_models, tiny_bert, tiny_mpnet, tiny_t5, with_eos
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,18 @@ def saved_t5(tmp_path_factory):
                 batches=with_eos(batches_for(experts, n_batches=2)))
 
 
+@pytest.fixture(scope="module")
+def saved_mpnet(tmp_path_factory):
+    """Three blocks, every backbone parameter perturbed: each expert has its own relative position
+    table, which every block reads (a stored state must get its own model's bias back)."""
+    root = tmp_path_factory.mktemp("walk_mpnet")
+    base = tiny_mpnet(layers=3)
+    experts = {t: perturbed(base, i + 2, scale=0.005) for i, t in enumerate("ab")}
+    merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
+    save_models(root, {"base": base, "merged": merged, **experts})
+    return dict(root=root, base=base, experts=experts, merged=merged, batches=batches_for(experts, n_batches=2))
+
+
 def chain(saved, config, fmt=StoreFormat("float32")):
     """What the calibrate-layer chain does: each block a separate step, states through zarr stores."""
     root, batches = saved["root"], saved["batches"]
@@ -57,7 +69,7 @@ def chain(saved, config, fmt=StoreFormat("float32")):
     return state
 
 
-@pytest.mark.parametrize("case", ["saved", "saved_t5"])
+@pytest.mark.parametrize("case", ["saved", "saved_t5", "saved_mpnet"])
 def test_every_entry_point_gives_bit_identical_weights(request, case):
     saved = request.getfixturevalue(case)
     config = FeatCalConfig(calibrate_pooler=True)
@@ -81,8 +93,10 @@ def test_every_entry_point_gives_bit_identical_weights(request, case):
         assert torch.equal(per_layer[name], reference[name]), f"per-layer chain: {name}"
     # the walk really moved the weights (an identity would pass the comparisons above)
     merged_state = saved["merged"].state_dict()
-    moved = ["pooler.dense.weight", "encoder.layer.1.output.dense.weight"] if case == "saved" else [
-        "encoder.block.1.layer.1.DenseReluDense.wo.weight", "decoder.block.1.layer.1.EncDecAttention.v.weight"]
+    moved = {"saved": ["pooler.dense.weight", "encoder.layer.1.output.dense.weight"],
+             "saved_t5": ["encoder.block.1.layer.1.DenseReluDense.wo.weight",
+                          "decoder.block.1.layer.1.EncDecAttention.v.weight"],
+             "saved_mpnet": ["encoder.layer.2.attention.attn.q.weight", "encoder.layer.1.output.dense.weight"]}[case]
     for name in moved:
         assert not torch.equal(reference[name], merged_state[name]), name
     if case == "saved_t5":   # the decoder's stored states carry the encoder output they cross-attend to

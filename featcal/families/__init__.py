@@ -8,6 +8,7 @@ from .base import Family, Stream, module_kind, pool
 from .bert import BertFamily
 from .clip import CLIPVisionFamily
 from .llama import LlamaFamily
+from .mpnet import MPNetFamily
 from .t5 import T5Family
 from .vit import ViTFamily
 
@@ -21,6 +22,7 @@ def register_family(family: Family) -> Family:
 
 
 register_family(BertFamily())
+register_family(MPNetFamily())
 register_family(ViTFamily())
 register_family(CLIPVisionFamily())
 register_family(LlamaFamily())
