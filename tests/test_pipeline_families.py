@@ -9,31 +9,33 @@ from typing import Callable
 import pytest
 import torch
 import yaml
-from transformers import (CLIPVisionModelWithProjection, LlamaForSequenceClassification, T5ForSequenceClassification,
-                          ViTForImageClassification)
+from transformers import (CLIPVisionModelWithProjection, LlamaForSequenceClassification, MPNetForSequenceClassification,
+                          T5ForSequenceClassification, ViTForImageClassification)
 
 from conftest import DOWNSTREAM, DVC, UPSTREAM, stages_run
 from featcal.data.encoders import load_encoder
 from featcal.families.clip_zero_shot import CLIPVisionClassifier, load_text_tower, zero_shot_weight
 from featcal.io.models import load_classifier, load_task_model
 from featcal.data.splits import encode_batches, read_split
-from tiny_project import (ROOT, image_tasks, make_clip_base, make_llama_base, make_project, make_t5_base, make_tasks,
-                          make_vit_base, run, tiny_params)
+from tiny_project import (ROOT, image_tasks, make_clip_base, make_llama_base, make_mpnet_base, make_project, make_t5_base,
+                          make_tasks, make_vit_base, run, tiny_params)
 
 sys.path.insert(0, str(ROOT / "stages"))
 import common  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-def check_family_project(root, tasks: dict, task_class: type, configure: Callable[[dict], None] | None = None) -> None:
+def check_family_project(root, tasks: dict, task_class: type, configure: Callable[[dict], None] | None = None,
+                         folder: str | None = None) -> None:
     """`dvc repro` of a tiny project on the base saved at `root/base`: the whole chain runs, the
     calibrated model's drift to the experts falls at every block, `models/featcal` loads per task as
     `task_class` and scores what evaluate reported, and an alpha change re-runs only calibration
-    and evaluation. `configure(params)` edits the tiny project's params first."""
+    and evaluation. `configure(params)` edits the tiny project's params first; `folder`: the
+    project is a second pipeline in that subfolder (stages/gen_pipeline.py), run from there."""
     params = tiny_params(root / "base", tasks)
     if configure is not None:
         configure(params)
-    project = make_project(root, params)
+    project = make_project(root, params, folder)
     first = run([*DVC, "repro"], project)
     assert stages_run(first) == upstream_of(tasks) | DOWNSTREAM, first   # the whole chain
 
@@ -67,6 +69,13 @@ def upstream_of(tasks: dict) -> set[str]:
 def test_a_llama_project_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):
     make_llama_base(tmp_path / "base")
     check_family_project(tmp_path, make_tasks(tmp_path / "raw"), LlamaForSequenceClassification)
+
+
+def test_an_mpnet_project_in_a_subfolder_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):
+    """MPNet's shared position bias through the stored states of the chain, in a second pipeline
+    whose dvc.yaml is generated from the root's (the layout of mpnet/)."""
+    make_mpnet_base(tmp_path / "base")
+    check_family_project(tmp_path, make_tasks(tmp_path / "raw"), MPNetForSequenceClassification, folder="sub")
 
 
 def test_a_vit_project_on_image_tasks_runs_end_to_end_and_an_alpha_change_reruns_only_the_calibration(tmp_path):

@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 import torch
 import yaml
 from transformers import (BertConfig, BertModel, BertTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer,
-                          CLIPVisionModelWithProjection, LlamaConfig, LlamaModel, T5Config, T5Model, ViTConfig,
+                          CLIPVisionModelWithProjection, LlamaConfig, LlamaModel, MPNetConfig, MPNetModel, T5Config, T5Model, ViTConfig,
                           ViTImageProcessorPil, ViTModel)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +63,18 @@ def make_llama_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=64, pad_token_id=vocab.index("[PAD]"))
     LlamaModel(config).save_pretrained(path)
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
+
+
+def make_mpnet_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int = 4, intermediate: int = 64,
+                    seed: int = 0) -> None:
+    """make_base's counterpart for MPNet (relative position bias shared by every block), with the
+    same word-level tokenizer; its position table has the 32 buckets the encoder always asks for."""
+    vocab = make_vocab(WORDS)
+    torch.manual_seed(seed)
+    config = MPNetConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         intermediate_size=intermediate, max_position_embeddings=64, pad_token_id=vocab.index("[PAD]"))
+    MPNetModel(config).save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
 
 
@@ -205,17 +217,24 @@ def init_repo(project: Path, message: str = "tiny project", env: Mapping[str, st
     run(["git", "commit", "-qm", message], project, env)
 
 
-def make_project(root: Path, params: dict | None = None) -> Path:
+def make_project(root: Path, params: dict | None = None, folder: str | None = None) -> Path:
     """A git repository with the project's pipeline files and `params` (default: the tiny base and
-    tasks, built under `root`); returns its path, `root/project`."""
+    tasks, built under `root`); returns its path, `root/project`. With `folder`, the same params also
+    make a second pipeline in that subfolder (its dvc.yaml generated from the root's, as mpnet/'s
+    is); the path returned is then the subfolder's, where DVC runs it."""
     project = root / "project"
     copy_pipeline(project)
     if params is None:
         make_base(root / "base")
         params = tiny_params(root / "base", make_tasks(root / "raw"))
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    if folder is not None:
+        (project / folder).mkdir()
+        (project / folder / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        run([sys.executable, "stages/gen_pipeline.py", folder], project)
+        run([sys.executable, "../stages/gen_chain.py"], project / folder)
     init_repo(project)
-    return project
+    return project if folder is None else project / folder
 
 
 def run_dvc_logged(args: list[str], log: Path, cwd: Path | None = None, env: dict | None = None,

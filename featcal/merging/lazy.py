@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import AbstractSet as Set, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -70,13 +70,14 @@ def _refuse_unstreamable(method: str, opts, context: MergeContext | None = None)
 class MergeFolders:
     """The base and expert checkpoints of a lazy merge, read by backbone tensor name (prefixes
     stripped): `names` in natural order, `copied` the non-floating ones (the base's, unmerged),
-    `groups` the names by tensor group (one block, or one other tensor)."""
+    `groups` the names by tensor group (one block, or one other tensor); `absent`: base tensors no
+    expert holds, left out."""
 
     def __init__(self, base: CheckpointReader, prefix: str, experts: Sequence[CheckpointReader],
-                 expert_prefixes: Sequence[str], paths: Sequence[str | os.PathLike]):
+                 expert_prefixes: Sequence[str], paths: Sequence[str | os.PathLike], absent: Set[str] = frozenset()):
         self.base, self.prefix = base, prefix
         self.experts, self.expert_prefixes, self.paths = list(experts), list(expert_prefixes), list(paths)
-        self.dtypes = backbone_dtypes(base, prefix)
+        self.dtypes = {n: d for n, d in backbone_dtypes(base, prefix).items() if n not in absent}
         self.names = list(self.dtypes)
         self.copied = {n for n, dtype in self.dtypes.items() if not dtype.is_floating_point}
         self.groups: dict[str, list[str]] = {}
@@ -318,10 +319,12 @@ def lazy_merge(
     # the base's, unmerged, as in merge_state_dicts: the experts need not hold them
     floats = [n for n, dtype in dtypes.items() if dtype.is_floating_point]
     # check names and shapes from the headers first: no tensor is read for a mismatch
-    expert_prefixes = []
-    for path, reader in zip(paths, experts):
-        p = reader.find_prefix(floats[0])  # with or without a head
-        expert_prefixes.append(p)
+    expert_prefixes = [reader.find_prefix(floats[0]) for reader in experts]  # with or without a head
+    # a part of the base no expert's task model has (MPNet's and RoBERTa's classifiers drop the
+    # pooler) is no part of the merged backbone either
+    absent = {n for n in floats if all(p + n not in r for r, p in zip(experts, expert_prefixes))}
+    floats = [n for n in floats if n not in absent]
+    for path, reader, p in zip(paths, experts, expert_prefixes):
         for name in floats:
             key = p + name
             if key not in reader:
@@ -330,7 +333,7 @@ def lazy_merge(
                 raise ValueError(
                     f"expert {path}: tensor {key!r} has shape {reader.shape(key)}, the base has {base.shape(prefix + name)}"
                 )
-    folders = MergeFolders(base, prefix, experts, expert_prefixes, paths)
+    folders = MergeFolders(base, prefix, experts, expert_prefixes, paths, absent)
 
     out_dir = Path(out_dir)
     sums = [[0.0, 0.0] for _ in paths]   # per expert: ‖τ‖², ‖θ_base‖² (the implausible-expert check)
