@@ -15,7 +15,7 @@ from featcal.baselines.surgery import (
     train_probsurgery,
     train_surgery,
 )
-from conftest import tiny_bert
+from conftest import tiny_bert, tiny_mpnet
 
 D = 24
 
@@ -167,11 +167,27 @@ def clip_classifier():
             lambda z: model.classifier(z / z.norm(dim=-1, keepdim=True)))
 
 
-@pytest.mark.parametrize("build", [vit_classifier, clip_classifier], ids=["vit", "clip"])
-def test_surgery_on_an_image_classifier_reads_the_representation_its_head_reads(build):
+def mpnet_classifier():
+    """An MPNet sequence classifier: no pooler; f_M is the first token of the last hidden state,
+    which its head (dense, tanh, out_proj) reads."""
+    model = tiny_mpnet(layers=1, vocab=50, hidden=D, num_labels=3)
+    return model, D, lambda b: model.mpnet(**b).last_hidden_state[:, 0], lambda f: model.classifier(f[:, None])
+
+
+def image_batches():
+    return [{"pixel_values": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+
+
+def text_batches():
+    return [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in tiny_batches()]
+
+
+@pytest.mark.parametrize("build, inputs", [(vit_classifier, image_batches), (clip_classifier, image_batches),
+                                           (mpnet_classifier, text_batches)], ids=["vit", "clip", "mpnet"])
+def test_surgery_on_a_classifier_without_pooler_reads_the_representation_its_head_reads(build, inputs):
     torch.manual_seed(0)
     model, width, read, head = build()
-    batches = [{"pixel_values": torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    batches = inputs()
     f_m = representations(model, batches)
     with torch.no_grad():
         assert torch.equal(f_m, torch.cat([read(b) for b in batches]))

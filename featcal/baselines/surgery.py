@@ -336,12 +336,25 @@ class HeadParts:
         return self.projection(out.pooler_output if self.kind == "pooler" else out.last_hidden_state[:, 0])
 
 
+class FirstTokenHead(nn.Module):
+    """A head that reads the first token of [B, T, d] hidden states (MPNet's: dense, tanh, out_proj),
+    applied to f_M, that token ([B, d])."""
+
+    def __init__(self, head: nn.Module):
+        super().__init__()
+        self.head = head
+
+    def forward(self, f_m: Tensor) -> Tensor:
+        return self.head(f_m[:, None, :])
+
+
 def head_parts(model: nn.Module) -> HeadParts:
     """The parts of a BERT-style sequence classifier (`bert` with a pooler, Linear `classifier`
-    on the pooler output), a ViT image classifier (`vit`, Linear `classifier` on the CLS token of
-    the last, layer-normed hidden state) or a CLIP tower's classifier (`CLIPVisionClassifier`: f_M
-    is the image embedding, the head normalises it); a bare BERT with a pooler or a bare ViT gives
-    its f_M only."""
+    on the pooler output), an MPNet sequence classifier (`mpnet`, no pooler: its `classifier` reads
+    the first token of the last hidden state, f_M), a ViT image classifier (`vit`, Linear
+    `classifier` on the CLS token of the last, layer-normed hidden state) or a CLIP tower's
+    classifier (`CLIPVisionClassifier`: f_M is the image embedding, the head normalises it); a bare
+    BERT with a pooler or a bare ViT gives its f_M only."""
     classifier = getattr(model, "classifier", None)
     dropout = getattr(model, "dropout", None) or nn.Identity()
     bert, vit = getattr(model, "bert", None), getattr(model, "vit", None)
@@ -352,13 +365,17 @@ def head_parts(model: nn.Module) -> HeadParts:
         return HeadParts(bert, "pooler", dropout, classifier)
     if vit is not None and isinstance(classifier, nn.Linear):
         return HeadParts(vit, "cls", nn.Identity(), classifier)
+    mpnet = getattr(model, "mpnet", None)
+    if mpnet is not None and isinstance(getattr(classifier, "out_proj", None), nn.Linear):
+        return HeadParts(mpnet, "cls", nn.Identity(), FirstTokenHead(classifier))
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if classifier is None and bert is None and vit is None and model_type in ("bert", "vit"):
         if model_type == "vit" or getattr(model, "pooler", None) is not None:
             return HeadParts(model, "pooler" if model_type == "bert" else "cls", nn.Identity(), nn.Identity())
     raise TypeError(
         f"{type(model).__name__}: Surgery/ProbSurgery deployment is implemented for BERT-style sequence "
-        "classification (model.bert with a pooler, and a Linear model.classifier reading the pooler output), ViT "
+        "classification (model.bert with a pooler, and a Linear model.classifier reading the pooler output), MPNet "
+        "sequence classification (model.mpnet, model.classifier reading the first token), ViT "
         "image classification (model.vit, and a Linear model.classifier reading the CLS token) and CLIP towers "
         "(featcal's CLIPVisionClassifier); other heads read a "
         "different representation"
