@@ -240,8 +240,8 @@ def in_process(params: dict, alpha: float) -> dict:
     tasks = enabled_tasks(params)
     with measure() as load:
         merged = load_backbone("models/merged")
-        base = load_backbone(get(params, "model.base"))
         experts = {t: load_classifier(f"experts/{t}") for t in tasks}
+        base = load_backbone(get(params, "model.base"), like=experts[tasks[0]])
         batches = batches_from_arrays(read_group("features/experts/inputs.zarr"), int(get(params, "calibration.batch_size")))
         batches = {t: batches[t] for t in tasks}
         heads = {t: load_head(f"experts/{t}") for t in tasks}

@@ -341,3 +341,35 @@ def test_bf16_base_with_float32_experts_keeps_small_deltas():
     out = merge_state_dicts("task_arithmetic", base, experts, {"scale": 1.0})
     assert out["w"].dtype == torch.bfloat16
     assert out["w"].item() == 1.0078125
+
+
+def test_a_pretrained_base_with_a_pooler_merges_with_classifiers_that_drop_it(tmp_path):
+    """all-mpnet-base-v2 holds pooler tensors; MPNet's sequence classifiers have no pooler. The base
+    loaded like the experts, and the lazy merge, both leave the pooler out instead of refusing."""
+    import warnings
+
+    from transformers import MPNetModel
+
+    from conftest import perturbed, save_models, tiny_mpnet
+    from featcal import merge_models
+    from featcal.io.models import load_backbone
+    from featcal.merging.lazy import lazy_merge
+
+    task_model = tiny_mpnet()
+    base = MPNetModel(task_model.config)
+    base.load_state_dict(task_model.mpnet.state_dict(), strict=False)
+    experts = {t: perturbed(task_model, i + 2, scale=0.005) for i, t in enumerate("ab")}
+    save_models(tmp_path, {"base": base, **experts})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_backbone(str(tmp_path / "base")).pooler is not None
+        like_experts = load_backbone(str(tmp_path / "base"), like=experts["a"])
+        assert like_experts.pooler is None
+        merged = merge_models(like_experts, experts, "task_arithmetic", {"scale": 0.3})
+        lazy_merge(tmp_path / "base", [tmp_path / t for t in experts], "task_arithmetic", {"scale": 0.3},
+                   tmp_path / "lazy", progress=False)
+        lazy = load_backbone(str(tmp_path / "lazy"))
+    assert lazy.pooler is None
+    expected = merged.state_dict()
+    for name, value in lazy.state_dict().items():
+        assert torch.equal(value, expected[name]), name

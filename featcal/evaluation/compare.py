@@ -76,7 +76,7 @@ class TaskData:
 def load_workbench(base_ref: str, expert_dirs: Mapping[str, str], tasks_dir: str, lengths: Mapping[str, int],
                    seed: int = 0, batch_size: int = 16) -> Workbench:
     experts = {t: load_classifier(d) for t, d in expert_dirs.items()}
-    return Workbench(load_backbone(base_ref), experts, load_encoder(base_ref), tasks_dir, dict(lengths), seed, batch_size)
+    return Workbench(load_backbone(base_ref, like=next(iter(experts.values()), None)), experts, load_encoder(base_ref), tasks_dir, dict(lengths), seed, batch_size)
 
 
 def calibration_examples(bench: Workbench | TaskData, n: int, corruption: tuple[str, float] | None = None) -> dict[str, list[str]]:

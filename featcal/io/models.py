@@ -100,21 +100,30 @@ def resolve_model_ref(ref: str | os.PathLike) -> str:
     return str(path)
 
 
-def load_backbone(ref: str) -> nn.Module:
-    """The bare backbone (`AutoModel`), e.g. the pretrained base; non-finite weights are an error."""
+def load_backbone(ref: str, like: nn.Module | None = None) -> nn.Module:
+    """The bare backbone (`AutoModel`), e.g. the pretrained base; non-finite weights are an error.
+    `like`: an expert (task model or backbone) whose structure the base must have to be merged with
+    it: no pooler where the expert's backbone has none (MPNet's and RoBERTa's classifiers drop the
+    pooler their pretrained checkpoint holds)."""
     path = resolve_model_ref(ref)
     names = stored_tensors(Path(path)) if Path(path).is_dir() else None
-    return checked_load(AutoModel.from_pretrained(path, **backbone_kwargs(names, AutoConfig.from_pretrained(path))), path)
+    pooler = None if like is None else getattr(backbone_of(like), "pooler", None) is not None
+    kwargs = backbone_kwargs(names, AutoConfig.from_pretrained(path), pooler)
+    return checked_load(AutoModel.from_pretrained(path, **kwargs), path)
 
 
-def backbone_kwargs(tensor_names: Iterable[str] | None, config) -> dict:
+def backbone_kwargs(tensor_names: Iterable[str] | None, config, pooler: bool | None = None) -> dict:
     """`add_pooling_layer=False` for a checkpoint (holding `tensor_names`; None: unknown) without
     pooler tensors whose backbone would otherwise get one (a ViT image classifier's `vit` has
-    none; `ViTModel` adds one by default)."""
+    none; `ViTModel` adds one by default), or when `pooler` is False."""
     import inspect
 
     model_class = AutoModel._model_mapping.get(type(config), None)
-    if tensor_names is None or model_class is None or "add_pooling_layer" not in inspect.signature(model_class.__init__).parameters:
+    if model_class is None or "add_pooling_layer" not in inspect.signature(model_class.__init__).parameters:
+        return {}
+    if pooler is False:
+        return {"add_pooling_layer": False}
+    if tensor_names is None:
         return {}
     has_pooler = any(n.startswith("pooler.") or ".pooler." in n for n in tensor_names)
     return {} if has_pooler else {"add_pooling_layer": False}

@@ -413,8 +413,8 @@ def load_problem(
         data = TaskData(list(tasks), encoder, str(tasks_dir), dict(max_length), seed)
         return to_batches(data, calibration_examples(data, n))
 
-    return TuneProblem(load_backbone(str(merged)), load_backbone(base),
-                       {t: load_classifier(str(Path(experts_dir) / t)) for t in tasks},
+    experts = {t: load_classifier(str(Path(experts_dir) / t)) for t in tasks}
+    return TuneProblem(load_backbone(str(merged)), load_backbone(base, like=experts[tasks[0]]), experts,
                        batches, expert_states, dev, encoder, train_batches=train_batches)
 
 
