@@ -320,9 +320,11 @@ def lazy_merge(
     floats = [n for n, dtype in dtypes.items() if dtype.is_floating_point]
     # check names and shapes from the headers first: no tensor is read for a mismatch
     expert_prefixes = [reader.find_prefix(floats[0]) for reader in experts]  # with or without a head
-    # a part of the base no expert's task model has (MPNet's and RoBERTa's classifiers drop the
-    # pooler) is no part of the merged backbone either
-    absent = {n for n in floats if all(p + n not in r for r, p in zip(experts, expert_prefixes))}
+    # a pooler no expert's task model has (MPNet's and RoBERTa's classifiers drop it) is no part of
+    # the merged backbone either, as `load_backbone(like=expert)` leaves it out; any other tensor
+    # an expert lacks stays an error below
+    absent = {n for n in floats if n.startswith("pooler.")
+              and all(p + n not in r for r, p in zip(experts, expert_prefixes))}
     floats = [n for n in floats if n not in absent]
     for path, reader, p in zip(paths, experts, expert_prefixes):
         for name in floats:
