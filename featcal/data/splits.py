@@ -20,12 +20,23 @@ SPLITS = ("train", "dev", "test")
 
 @dataclass
 class TaskSplit:
-    """A split's examples (texts, or images as PNG bytes) and labels."""
+    """A split's examples (texts, or images as PNG bytes) and labels. `ids`: each example's row in
+    its split file, kept through subsets so per-example predictions can be paired across models."""
 
     task: str
     split: str
     examples: list
     labels: Tensor
+    ids: Tensor | None = None   # None: 0, 1, 2, ... (the split as read)
+
+    def example_ids(self) -> Tensor:
+        return torch.arange(len(self.examples)) if self.ids is None else self.ids
+
+    def subset(self, index: Tensor | list[int]) -> "TaskSplit":
+        """The examples at `index`, in that order, with their labels and ids."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        return TaskSplit(self.task, self.split, [self.examples[i] for i in index.tolist()], self.labels[index],
+                         self.example_ids()[index])
 
 
 def read_split(tasks_dir: str | os.PathLike, task: str, split: str) -> TaskSplit:
@@ -61,7 +72,7 @@ def calibration_subset(split: TaskSplit, n: int, seed: int) -> TaskSplit:
     only so callers can check they never use them."""
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(split.examples), generator=g)[: min(n, len(split.examples))].sort().values
-    return TaskSplit(split.task, split.split, [split.examples[i] for i in order], split.labels[order])
+    return split.subset(order)
 
 
 def encode_batches(

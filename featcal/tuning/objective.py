@@ -200,7 +200,7 @@ def drop_calibration_overlap(split: TaskSplit, encoder: InputEncoder, max_length
     seen = set(encoder.input_identities(inputs))
     encoded = encoder.identities(split.examples, max_length)
     keep = [i for i, ids in enumerate(encoded) if ids not in seen]
-    kept = TaskSplit(split.task, split.split, [split.examples[i] for i in keep], split.labels[keep])
+    kept = split.subset(keep)
     return kept, len(split.examples) - len(keep)
 
 
