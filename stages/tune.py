@@ -19,11 +19,14 @@ import argparse
 import contextlib
 import dataclasses
 import os
+from pathlib import Path
+from typing import Callable, Mapping
 
 from common import enabled_tasks, get, live_log, load_params, log_step, max_length, setup_logging, timed
 from params_schema import Tune as TuneParams
 
 from featcal.calibration.config import FeatCalConfig
+from featcal.evaluation.predictions import recording, write_predictions
 from featcal.io.models import write_json
 from featcal.tuning import (
     SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem, make_storage, tune,
@@ -67,7 +70,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="with --summary: also the best configuration's test accuracy (test read once)")
     parser.add_argument("--live", help="with --summary: DVCLive folder, each complete trial's dev accuracy and the "
                                         "best so far, in trial order (the stage: results/live/tune)")
+    parser.add_argument("--predictions", metavar="DIR",
+                        help="with --score-test: also write the per-example dev and test predictions (Parquet) of "
+                             "the dev-best model to DIR/<study>.parquet and, for a FeatCal study, of the merge the "
+                             "study starts from (DIR/<merge.method>.parquet) and the experts (DIR/experts.parquet)")
+    parser.add_argument("--rescore", action="store_true",
+                        help="run no trial: the study must be complete; its dev-best model is built and scored "
+                             "again (with --predictions, to record what the study's summary reports)")
     args = parser.parse_args(argv)
+    if args.predictions and not args.score_test:
+        parser.error("--predictions goes with --summary and --score-test (the dev-best model's predictions)")
     if args.live and not args.summary:
         parser.error("--live goes with --summary (the stage writes both)")
     if (args.history_plot or args.importance_plot) and not (args.summary and args.history_plot and args.importance_plot):
@@ -95,6 +107,57 @@ def test_splits(params: dict, tasks: list[str]) -> dict:
 
 def test_summary(scores: dict[str, float]) -> dict[str, float]:
     return {"avg": round(sum(scores.values()) / len(scores), 6), **{t: round(v, 6) for t, v in scores.items()}}
+
+
+def score_best(summary: dict, study, score: Callable[[Mapping | None], dict[str, float]], params: dict,
+               tasks: list[str], predictions: str | None) -> None:
+    """The dev-best model scored on test once (`summary["test"]`; `score(None)` scores dev). With
+    `predictions`, its dev and test predictions go to <predictions>/<study>.parquet, and
+    `summary["rescored_dev"]` says whether dev scored as the study recorded for that trial."""
+    test = test_splits(params, tasks)
+    if not predictions:
+        summary["test"] = test_summary(score(test))
+        return
+    with recording() as records:
+        dev = score(None)
+        summary["test"] = test_summary(score(test))
+    write_predictions(Path(predictions) / f"{study.study_name}.parquet", {study.study_name: records})
+    recorded = study.best_trial.user_attrs.get("dev", {})
+    summary["rescored_dev"] = {"dev": test_summary(dev)["avg"],
+                               "matches_trial": all(round(dev[t], 6) == recorded.get(t) for t in dev)}
+
+
+def write_start_predictions(problem, method: str, params: dict, tasks: list[str], predictions: str) -> None:
+    """The dev and test predictions of the merge the study starts from (<predictions>/<method>.parquet)
+    and of each expert on its own task (<predictions>/experts.parquet)."""
+    from featcal.finetune import accuracy
+
+    test = test_splits(params, tasks)
+    with recording() as merged:
+        problem.score(problem.merged)
+        problem.score(problem.merged, test)
+    with recording() as experts:
+        for task, dev in problem.dev.items():
+            for split in (dev.split, test[task]):
+                accuracy(problem.experts[task], problem.encoder, split, dev.max_length)
+    write_predictions(Path(predictions) / f"{method}.parquet", {method: merged})
+    write_predictions(Path(predictions) / "experts.parquet", {"experts": experts})
+
+
+def trials_so_far(storage: str, study_name: str) -> int:
+    """The trials a study counts (`--rescore`); a missing or empty study is an error naming it."""
+    import optuna
+
+    from featcal.tuning.study import count_trials, redacted
+
+    try:
+        study = optuna.load_study(study_name=study_name, storage=make_storage(storage))
+    except (KeyError, StudyStorageError) as err:
+        raise SystemExit(f"tune: --rescore: no study {study_name!r} in {redacted(storage)} ({err})") from None
+    n = count_trials(study)
+    if n == 0:
+        raise SystemExit(f"tune: --rescore: study {study_name!r} in {redacted(storage)} has no finished trial")
+    return n
 
 
 def anchor_search(params: dict):
@@ -128,8 +191,9 @@ def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_tri
         if args.score_test:
             if anchor is not None:
                 baseline.use_merged(best_merge(problem, anchor, outcome.study))
-            summary["test"] = test_summary(baseline.score(baseline.train(best_config(outcome, args.method)),
-                                                          test_splits(params, tasks)))
+            modules = baseline.train(best_config(outcome, args.method))
+            score_best(summary, outcome.study, lambda splits: baseline.score(modules, splits), params, tasks,
+                       args.predictions)
         write_json(args.summary, summary)
     best = outcome.summary.get("best", {})
     print(f"study {study_name} ({args.method}): ran {len(outcome.ran)} new trials, best trial {best.get('trial')} "
@@ -146,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     defaults = TuneParams()   # the schema's defaults, for the keys params.yaml leaves out
     study_name = args.study_name or settings.get("study_name", defaults.study_name)
     n_trials = args.n_trials or int(settings.get("n_trials", defaults.n_trials))
+    if args.rescore:   # the study's own count: no trial runs
+        n_trials = trials_so_far(storage, study_name)
     base = FeatCalConfig.from_mapping(get(params, "featcal"))
     space = SearchSpace.from_mapping(settings["search"]) if settings.get("search") else SearchSpace()
     tasks = enabled_tasks(params)
@@ -175,8 +241,11 @@ def main(argv: list[str] | None = None) -> None:
                 from featcal.tuning import best_values
 
                 config = dataclasses.replace(base, **best_values(outcome.study, base))
-                outcome.summary["test"] = test_summary(problem.score(
-                    problem.calibrate(config, merged=best_merge(problem, anchor, outcome.study)), test_splits(params, tasks)))
+                calibrated = problem.calibrate(config, merged=best_merge(problem, anchor, outcome.study))
+                score_best(outcome.summary, outcome.study, lambda splits: problem.score(calibrated, splits), params,
+                           tasks, args.predictions)
+                if args.predictions and get(params, "merge.method") != "sigmerge":
+                    write_start_predictions(problem, get(params, "merge.method"), params, tasks, args.predictions)
             write_json(args.summary, outcome.summary)
             if args.history_plot:
                 from featcal.evaluation.plots import plot_study   # matplotlib: only the stage draws

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ import yaml
 from common import get, load_params
 
 from featcal.calibration.config import FeatCalConfig
+from featcal.io.models import write_json
 from featcal.merging import split_options
 from featcal.tuning.comparison import METHODS
 
@@ -96,6 +98,90 @@ def run(cmd: list[str], cwd: Path, log: Path) -> None:
         raise SystemExit(f"tune_anchor: {' '.join(cmd[1:3])} failed ({code}); log {log}:\n{log.read_text()[-3000:]}")
 
 
+def merged_anchor(local: dict, name: str, experts: Path, work: str, variant: str | None = None) -> Path:
+    """The folder of the anchor's merge under `work` (one per merge options), merged once by
+    `stages/merge.py` from the folder's params.yaml (the merge stage writes whole or not at all)."""
+    options = json.dumps(local["merge"], sort_keys=True)
+    folder = (Path(work) / f"{name}-{hashlib.sha1(options.encode()).hexdigest()[:8]}").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    merged = folder / "merged"
+    if not merged.exists():
+        print(f"{name}: merging with {local['merge']['options']} -> {merged}", flush=True)
+        (folder / "params.yaml").write_text(yaml.safe_dump(local, sort_keys=False))
+        run([sys.executable, str(STAGES / "merge.py"), "--experts", str(experts), "--out", str(merged),
+             "--record", str(folder / "record")], folder, folder / "merge.log")
+    return folder
+
+
+def tune_command(args: argparse.Namespace, params_file: Path, folder: Path, storage: str, study: str, method: str,
+                 summary_file: Path, extra: list[str]) -> list[str]:
+    """`stages/tune.py` on the anchor's merge in `folder`: `method`'s study, its summary, test read once."""
+    experts, features = (str(Path(p).resolve()) for p in (args.experts, args.features))
+    return [sys.executable, str(STAGES / "tune.py"), "--params", str(params_file), "--merged", str(folder / "merged"),
+            "--experts", experts, "--features", features, "--storage", storage, "--study-name", study,
+            "--method", method, "--summary", str(summary_file), "--score-test", *extra]
+
+
+def searched_in_study(storage: str, study_name: str) -> dict:
+    """The anchor options a finished study searched, with its ranges, from its best trial's
+    distributions (what `--anchor-search` or `--sigmerge` gave when it ran)."""
+    import optuna
+
+    from featcal.tuning.objective import AnchorSearch
+
+    trial = optuna.load_study(study_name=study_name, storage=storage).best_trial
+    out = {}
+    for key, dist in trial.distributions.items():
+        if key.startswith(AnchorSearch.PREFIX):
+            out[key[len(AnchorSearch.PREFIX):]] = ({"low": dist.low, "high": dist.high, "log": True} if dist.log
+                                                   else [dist.low, dist.high])
+    return out
+
+
+def rescore(args: argparse.Namespace, params: dict) -> None:
+    """Each finished study of the anchor again, no trial run: its dev-best model's dev and test
+    predictions to --predictions, and whether the scores reproduce the summary's, in
+    <predictions>/rescored.json. The committed study file is read from a copy, never written."""
+    methods = args.methods or (["featcal"] if args.sigmerge else list(METHODS[1:]))
+    out, predictions = Path(args.out).resolve(), Path(args.predictions).resolve()
+    name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
+    record_file = predictions / "rescored.json"
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    storage = args.storage
+    if storage is None:   # a copy: opening a study may write to its file
+        shutil.copyfile(out / "study.db", work / "rescore-study.db")
+        storage = f"sqlite:///{work / 'rescore-study.db'}"
+    for method in methods:
+        key = f"sigmerge_{method}" if args.sigmerge else method
+        summary_file = out / f"{args.anchor}_{key}.json"
+        if not summary_file.exists():
+            print(f"{name}: no {summary_file.name}: {method} not rescored", flush=True)
+            continue
+        summary = json.loads(summary_file.read_text())
+        local = anchor_params(params, args.anchor, searched_in_study(storage, summary["study"]),
+                              pooler=not args.no_pooler, sigmerge=args.sigmerge)
+        folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work)
+        params_file = folder / f"params-rescore-{method}.yaml"
+        params_file.write_text(yaml.safe_dump(local, sort_keys=False))
+        rescored_file = folder / f"rescored-{key}.json"
+        print(f"{name}: rescoring {method} study {summary['study']}", flush=True)
+        run(tune_command(args, params_file, folder, storage, summary["study"], method, rescored_file,
+                         ["--rescore", "--predictions", str(predictions)]), folder, folder / f"rescore-{method}.log")
+        again = json.loads(rescored_file.read_text())
+        check = {"study": summary["study"], "trial": again["best"]["trial"],
+                 "same_trial": again["best"]["trial"] == summary["best"]["trial"],
+                 "dev_matches": again["rescored_dev"]["matches_trial"],
+                 "test_matches": again["test"] == summary["test"],
+                 "test_avg": again["test"]["avg"], "summary_test_avg": summary["test"]["avg"]}
+        records = json.loads(record_file.read_text()) if record_file.exists() else {}
+        records[f"{args.anchor}/{key}"] = check
+        write_json(record_file, dict(sorted(records.items())))
+        print(f"  trial {check['trial']}: dev {'reproduced' if check['dev_matches'] else 'DIFFERS'}, test "
+              f"{check['test_avg']:.4f} ({'reproduced' if check['test_matches'] else 'summary: %.4f' % check['summary_test_avg']})",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("anchor", help="a registry name of compare.anchors (its options are the merge's)")
@@ -117,8 +203,16 @@ def main() -> None:
     parser.add_argument("--out", default="results/dev_tuning", help="where <anchor>_<method>.json are written")
     parser.add_argument("--storage", help="Optuna storage (default: sqlite at <out>/study.db)")
     parser.add_argument("--work", default="work/anchors", help="where each anchor's params and merge are kept")
+    parser.add_argument("--rescore", action="store_true",
+                        help="run no trial: rebuild each finished study's dev-best model (its searched ranges read "
+                             "from the study), score it on dev and test again, write its per-example predictions "
+                             "to --predictions and check the scores against the study's summary (kept as it is)")
+    parser.add_argument("--predictions", default="results/predictions",
+                        help="with --rescore: where the predictions (<study>.parquet, Parquet) are written")
     args = parser.parse_args()
     params = load_params()
+    if args.rescore:
+        return rescore(args, params)
     searched = parse_search(args.anchor_search) or (sigmerge_search(params) if args.sigmerge else {})
     methods = args.methods or (["featcal"] if args.sigmerge else list(METHODS[1:]))
     if args.sigmerge and methods != ["featcal"]:
@@ -130,22 +224,13 @@ def main() -> None:
     local = anchor_params(params, args.anchor, searched, pooler=not args.no_pooler, sigmerge=args.sigmerge)
     if args.search:
         local["tune"]["search"] = parse_search(args.search, "--search")
-    options = json.dumps(local["merge"], sort_keys=True)
     name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
-    folder = (Path(args.work) / f"{name}-{hashlib.sha1(options.encode()).hexdigest()[:8]}").resolve()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work, args.variant)
     params_file = folder / (f"params-{args.variant}.yaml" if args.variant else "params.yaml")
     params_file.write_text(yaml.safe_dump(local, sort_keys=False))
-    experts, features, out = (Path(p).resolve() for p in (args.experts, args.features, args.out))
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or f"sqlite:///{out / 'study.db'}"
-    merged = folder / "merged"
-    if not merged.exists():   # the merge stage writes its folder whole or not at all
-        print(f"{name}: merging with {local['merge']['options']} -> {merged}", flush=True)
-        if args.variant:   # merge.py reads params.yaml; the variant's own file is another
-            (folder / "params.yaml").write_text(yaml.safe_dump(local, sort_keys=False))
-        run([sys.executable, str(STAGES / "merge.py"), "--experts", str(experts), "--out", str(merged),
-             "--record", str(folder / "record")], folder, folder / "merge.log")
     tag = "-anchor" if searched and not args.sigmerge else ""
     suffix = f"-{args.variant}" if args.variant else ""
     for method in methods:
@@ -153,10 +238,9 @@ def main() -> None:
         key = f"sigmerge_{method}" if args.sigmerge else method   # the comparison's method name
         summary_file = out / (f"{args.anchor}_{key}_{args.variant}.json" if args.variant else f"{args.anchor}_{key}.json")
         print(f"{name}: {method} study {study}", flush=True)
-        run([sys.executable, str(STAGES / "tune.py"), "--params", str(params_file), "--merged", str(merged),
-             "--experts", str(experts), "--features", str(features), "--storage", storage, "--study-name", study,
-             *(["--n-trials", str(args.n_trials)] if args.n_trials else []), "--method", method,
-             "--summary", str(summary_file), "--score-test"], folder, folder / f"{method}{suffix}.log")
+        run(tune_command(args, params_file, folder, storage, study, method, summary_file,
+                         ["--n-trials", str(args.n_trials)] if args.n_trials else []),
+            folder, folder / f"{method}{suffix}.log")
         summary = json.loads(summary_file.read_text())
         print(f"  dev-best {summary['best']['dev_avg']:.4f} {summary['best']['params']}; test {summary['test']['avg']:.4f}",
               flush=True)

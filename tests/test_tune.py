@@ -26,6 +26,7 @@ from featcal.calibration.config import FeatCalConfig, LayerHyper
 from featcal.data.encoders import TextEncoder
 from featcal.data.splits import TaskSplit
 from conftest import DVC, WARM_ENV_KEY, copy_project, stages_run
+from featcal.evaluation.predictions import read_correctness
 from featcal.finetune import accuracy
 from pg_server import postgres_server
 from tiny_project import ROOT, run
@@ -413,6 +414,37 @@ def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project,
     assert params["merge"] == {"method": "sigmerge", "options": {
         "anchor": "task_arithmetic", "anchor_options": {"scale": 0.3}, "shared_examples_per_task": 4}}
     assert params["tune"]["anchor_search"] == {"c_min": [0.01, 0.05], "c_max": [0.05, 0.3]}
+
+    # rescoring runs no trial and writes nothing into the studies or their summaries: each dev-best
+    # model is built again, its dev scores are the trial's and its test scores the summary's
+    study_file, summaries = (tmp_path / "dev/study.db").read_bytes(), {
+        p.name: p.read_text() for p in (tmp_path / "dev").glob("*.json")}
+    trials = {name: len(trials_of(storage, name)) for name in ("task_arithmetic-anchor-featcal",
+                                                               "task_arithmetic-anchor-surgery")}
+    predictions = tmp_path / "predictions"
+    rescore = ["--rescore", "--out", str(tmp_path / "dev"), "--work", str(tmp_path / "work"),
+               "--predictions", str(predictions)]
+    said = run([*cmd[:6], *rescore], project)
+    run([sys.executable, "stages/tune_anchor.py", "task_arithmetic", "--sigmerge", *rescore], project)
+    assert "merging" not in said and "DIFFERS" not in said, said
+    assert (tmp_path / "dev/study.db").read_bytes() == study_file
+    assert {p.name: p.read_text() for p in (tmp_path / "dev").glob("*.json")} == summaries
+    assert {name: len(trials_of(storage, name)) for name in trials} == trials
+    checks = json.loads((predictions / "rescored.json").read_text())
+    assert set(checks) == {"task_arithmetic/featcal", "task_arithmetic/surgery", "task_arithmetic/sigmerge_featcal"}
+    assert all(c["same_trial"] and c["dev_matches"] and c["test_matches"] for c in checks.values()), checks
+    assert sorted(p.name for p in predictions.glob("*.parquet")) == [
+        "experts.parquet", "task_arithmetic-anchor-featcal.parquet", "task_arithmetic-anchor-surgery.parquet",
+        "task_arithmetic-sigmerge-featcal.parquet", "task_arithmetic.parquet"]
+    test = read_correctness(sorted(predictions.glob("*.parquet")), "test")
+    for key, study in (("featcal", "task_arithmetic-anchor-featcal"), ("surgery", "task_arithmetic-anchor-surgery"),
+                       ("sigmerge_featcal", "task_arithmetic-sigmerge-featcal")):
+        summary = json.loads(summaries[f"task_arithmetic_{key}.json"])
+        assert {t: round(float(c.mean()), 6) for t, c in test[study].items()} == \
+            {t: v for t, v in summary["test"].items() if t != "avg"}
+    dev = read_correctness(sorted(predictions.glob("*.parquet")), "dev")
+    assert set(dev) == set(test) == {"experts", "task_arithmetic", "task_arithmetic-anchor-featcal",
+                                     "task_arithmetic-anchor-surgery", "task_arithmetic-sigmerge-featcal"}
 
 
 def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> None:
