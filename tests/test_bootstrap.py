@@ -10,7 +10,7 @@ import pytest
 
 from featcal.evaluation.bootstrap import (
     accuracy_intervals, difference_interval, minimum_detectable_difference, resample_indices, selection,
-    significant_vs_best, task_sizes,
+    sign_test_p, significant_vs_best, task_sizes,
 )
 
 Z = 1.959963984540054   # z_{0.975}
@@ -86,6 +86,26 @@ def test_pairing_makes_the_difference_interval_narrow():
         # narrower even than two independent samples would give, sqrt(half_a² + half_b²)
         assert half_diff < 0.5 * math.hypot(half_a, half_b)
         assert diff.significant    # 6 of 400 one way, none the other: a real, if small, difference
+
+
+def test_with_few_disagreements_the_exact_sign_test_decides():
+    """4 of 400 examples, all one way: every resample keeps a ≥ b, so the percentile interval
+    excludes 0, but 4 such examples happen by chance with p = 2 · 0.5⁴ = 0.125: not significant.
+    5 one way against 1 the other: p = 2 · (1 + 6) / 64. 6 of 400 one way: p = 0.031, significant."""
+    assert sign_test_p(4, 0) == 0.125 and sign_test_p(0, 4) == 0.125
+    assert sign_test_p(5, 1) == 2 * 7 / 64 and sign_test_p(0, 0) == 1.0 and sign_test_p(3, 3) == 1.0
+    for flipped, significant in ((4, False), (6, True)):
+        a, b = pair(flipped=flipped)
+        indices = resample_indices({"t": a.size}, n_resamples=2000, seed=3)
+        diff = difference_interval({"t": a}, {"t": b}, indices)
+        for d in (diff.tasks["t"], diff.mean):
+            assert d.low > 0 and d.estimate == pytest.approx(flipped / 400)   # the interval excludes 0
+            assert d.significant is significant
+    # the mean pools the tasks' disagreements: 3 + 3 one way over two tasks is 6, p = 0.031
+    (a1, b1), (a2, b2) = pair(flipped=3, seed=1), pair(flipped=3, seed=2)
+    indices = resample_indices({"t1": 400, "t2": 400}, n_resamples=2000, seed=3)
+    diff = difference_interval({"t1": a1, "t2": a2}, {"t1": b1, "t2": b2}, indices)
+    assert not diff.tasks["t1"].significant and not diff.tasks["t2"].significant and diff.mean.significant
 
 
 def test_identical_models_do_not_differ():

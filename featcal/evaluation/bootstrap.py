@@ -171,6 +171,7 @@ class _Scores:
     """One model's accuracy per task on all examples and on every resample."""
     point: dict[str, float]
     resampled: dict[str, np.ndarray]   # task -> [n_resamples]
+    correct: dict[str, np.ndarray]     # task -> [n] per-example correctness
 
     @property
     def mean_point(self) -> float:
@@ -186,7 +187,8 @@ def _scores(correct: Correctness, indices: Indices, model: str) -> _Scores:
     return _Scores(
         point={task: float(values.mean()) for task, values in checked.items()},
         resampled={task: np.count_nonzero(values[indices[task]], axis=1) / values.size
-                   for task, values in checked.items()})
+                   for task, values in checked.items()},
+        correct=checked)
 
 
 def _percentiles(samples: np.ndarray, level: float) -> tuple[float, float]:
@@ -199,9 +201,26 @@ def _interval(estimate: float, samples: np.ndarray, level: float) -> Interval:
     return Interval(estimate, *_percentiles(samples, level))
 
 
-def _difference(estimate: float, samples: np.ndarray, level: float) -> Difference:
+EXACT_BELOW = 25   # discordant examples: under this many, the percentile interval alone is too liberal
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Exact two-sided McNemar (sign) test: the probability, under no difference, of a split of the
+    `wins + losses` discordant examples at least as uneven as this one."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def _difference(estimate: float, samples: np.ndarray, level: float, wins: int, losses: int) -> Difference:
+    """Significant when 0 lies outside the percentile interval and, with fewer than `EXACT_BELOW`
+    discordant examples (a wins, b wins), the exact sign test agrees at the same level."""
     low, high = _percentiles(samples, level)
-    return Difference(estimate, low, high, significant=bool(low > 0 or high < 0))
+    significant = bool(low > 0 or high < 0)
+    if significant and wins + losses < EXACT_BELOW:
+        significant = sign_test_p(wins, losses) < 1 - level
+    return Difference(estimate, low, high, significant=significant)
 
 
 def _n_resamples(indices: Indices) -> int:
@@ -224,10 +243,14 @@ def accuracy_intervals(correct: Correctness, indices: Indices, level: float = 0.
 
 
 def _differences(a: _Scores, b: _Scores, level: float, n_resamples: int) -> DifferenceIntervals:
+    """a − b per task and of the means; the mean's exact check pools the tasks' discordant examples."""
+    split = {task: (int(np.count_nonzero(a.correct[task] & ~b.correct[task])),
+                    int(np.count_nonzero(~a.correct[task] & b.correct[task]))) for task in a.point}
     return DifferenceIntervals(
-        tasks={task: _difference(a.point[task] - b.point[task], a.resampled[task] - b.resampled[task], level)
-               for task in a.point},
-        mean=_difference(a.mean_point - b.mean_point, a.mean_resampled - b.mean_resampled, level),
+        tasks={task: _difference(a.point[task] - b.point[task], a.resampled[task] - b.resampled[task], level,
+                                 *split[task]) for task in a.point},
+        mean=_difference(a.mean_point - b.mean_point, a.mean_resampled - b.mean_resampled, level,
+                         sum(w for w, _ in split.values()), sum(l for _, l in split.values())),
         level=level, n_resamples=n_resamples)
 
 
@@ -235,9 +258,9 @@ def difference_interval(correct_a: Correctness, correct_b: Correctness, indices:
                         names: tuple[str, str] = ("a", "b")) -> DifferenceIntervals:
     """The paired difference a − b per task and of the unweighted means, with percentile intervals:
     both models are scored on the same resamples, so the interval reflects only the examples on
-    which they differ, not the luck of the draw they share. Significant: 0 outside the interval.
-    With only a handful of disagreeing examples this is too liberal (4 of 400, all one way: significant
-    here, exact McNemar p = 0.125)."""
+    which they differ, not the luck of the draw they share. Significant: 0 outside the interval and,
+    with fewer than `EXACT_BELOW` disagreeing examples (where the percentile interval alone is too
+    liberal: 4 of 400, all one way, exclude 0), the exact sign test below the level too (there p = 0.125)."""
     _check_level(level)
     task_sizes(dict(zip(names, (correct_a, correct_b))))
     return _differences(_scores(correct_a, indices, names[0]), _scores(correct_b, indices, names[1]),
