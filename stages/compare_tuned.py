@@ -21,7 +21,10 @@ from common import enabled_tasks, get, load_params
 
 from featcal.evaluation.plots import plot_grouped_bars, plot_study
 from featcal.io.models import write_json
-from featcal.tuning.comparison import COMPARED, FEATCAL_PIPELINES, as_mapping, comparison_rows, dev_best, markdown_table, per_task_groups
+from featcal.evaluation.predictions import read_correctness
+from featcal.tuning.comparison import (
+    COMPARED, FEATCAL_PIPELINES, as_mapping, comparison_rows, dev_best, markdown_table, per_task_groups, with_uncertainty,
+)
 
 
 def main() -> None:
@@ -32,6 +35,11 @@ def main() -> None:
     parser.add_argument("--experts", default="experts", help="folder of the experts (their width)")
     parser.add_argument("--out", default="results/compare.json", help="where the rows (JSON) are written")
     parser.add_argument("--table", default="results/compare.md", help="where the Markdown table is written")
+    parser.add_argument("--predictions", default="results/predictions",
+                        help="the rows' per-example dev and test predictions (stages/tune_anchor.py --rescore): "
+                             "every row gets a paired-bootstrap 95 %% interval and its difference to its anchor's "
+                             "best row, and dev's pick follows the selection rule (docs/uncertainty.md)")
+    parser.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples (seed: params' seed)")
     parser.add_argument("--plots", default="results/plots",
                         help="folder of the plots: compare_tuned_per_task.png (experts, anchor, dev-best model per "
                              "task) and the dev-best FeatCal study's compare_tuned_featcal_{history,importance}.png")
@@ -56,9 +64,28 @@ def main() -> None:
     except ValueError as err:
         raise SystemExit(f"compare_tuned: {err}") from None
     best, best_featcal = dev_best(rows), dev_best(rows, FEATCAL_PIPELINES)
-    write_json(args.out, {"experts": compared["experts"], "tasks": tasks, "anchors": as_mapping(rows),
+    files = sorted(Path(args.predictions).glob("*.parquet"))
+    if not files:
+        raise SystemExit(f"compare_tuned: no predictions in {args.predictions}: run python stages/tune_anchor.py "
+                         "<anchor> --rescore (and --sigmerge --rescore) for every anchor of the comparison")
+    models = {(r.anchor, r.method): r.anchor if r.method == "alone" else studies[(r.anchor, r.method)]["study"]
+              for r in rows}
+    try:
+        measured = with_uncertainty(rows, models, compared["experts"], read_correctness(files, "test"),
+                                    read_correctness(files, "dev"), n_resamples=args.resamples,
+                                    seed=int(get(params, "seed")))
+    except ValueError as err:
+        raise SystemExit(f"compare_tuned: {args.predictions}: {err}") from None
+    rows = measured.rows
+    chosen = {k: dict(zip(("anchor", "method"), measured.selection[k]["chosen"].split("/"))) for k in ("overall", "featcal")}
+    write_json(args.out, {"experts": {**compared["experts"], "ci95": measured.experts_ci95}, "tasks": tasks,
+                          "anchors": as_mapping(rows),
                           "dev_best": {"anchor": best.anchor, "method": best.method},
-                          "dev_best_featcal": {"anchor": best_featcal.anchor, "method": best_featcal.method}})
+                          "dev_best_featcal": {"anchor": best_featcal.anchor, "method": best_featcal.method},
+                          "selected": chosen, "selection": measured.selection,
+                          "significant_vs_best": measured.significant_vs_best,
+                          "bootstrap": {"resamples": measured.n_resamples, "seed": measured.seed, "level": 0.95,
+                                        "paired": "test examples resampled within each task, the same for every row"}})
     Path(args.table).write_text(markdown_table(rows, tasks))
     plots = Path(args.plots)
     plot_grouped_bars(per_task_groups(rows, compared["experts"], tasks), plots / "compare_tuned_per_task.png",
@@ -69,6 +96,8 @@ def main() -> None:
     print(markdown_table(rows, tasks))
     print(f"dev-best: {best.anchor} + {best.method} (test {best.test_avg}); "
           f"dev-best FeatCal: {best_featcal.anchor} + {best_featcal.method} (study {summary['study']})")
+    for key in ("overall", "featcal"):
+        print(f"selection rule, {key}: {measured.selection[key]['chosen']}: {measured.selection[key]['reason']}")
 
 
 if __name__ == "__main__":

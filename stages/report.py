@@ -40,7 +40,9 @@ def tuned_table(path: Path) -> Table | None:
     try:
         compared = json.loads(path.read_text())
         rows = rows_from_mapping(compared["anchors"])
-        picks = {(p["anchor"], p["method"]) for p in (compared.get("dev_best"), compared.get("dev_best_featcal")) if p}
+        # the selection rule's picks on dev (docs/uncertainty.md), where the comparison has them
+        chosen = list((compared.get("selected") or {}).values()) or [compared.get("dev_best"), compared.get("dev_best_featcal")]
+        picks = {(p["anchor"], p["method"]) for p in chosen if p}
         header, cells = table_cells(rows, compared["tasks"])
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise SystemExit(f"report: error: {path} is not stages/compare_tuned.py's comparison "

@@ -1,9 +1,11 @@
 """The dev-tuned comparison's rows: gaps, costs and extra parameters from the studies' summaries."""
 
+import numpy as np
 import pytest
 
+from featcal.evaluation.bootstrap import accuracy_intervals, resample_indices
 from featcal.tuning.comparison import (FEATCAL_PIPELINES, as_mapping, comparison_rows, dev_best, extra_parameters, gap,
-                                       markdown_table, per_task_groups)
+                                       markdown_table, per_task_groups, with_uncertainty)
 
 TASKS = ["a", "b"]
 
@@ -90,3 +92,66 @@ def test_sigmerge_featcal_is_a_row_of_its_anchor_and_a_featcal_pipeline_for_the_
     assert (dev_best(rows, FEATCAL_PIPELINES).method, dev_best(rows, ("featcal",)).dev_avg) == ("sigmerge_featcal", 0.751)
     groups = per_task_groups(rows, {"a": 0.9, "b": 0.8}, TASKS)
     assert list(groups["a"])[-1] == "ties + sigmerge_featcal (dev-best FeatCal)"
+
+
+def correctness(n: int, right: int, seed: int) -> np.ndarray:
+    out = np.zeros(n, dtype=bool)
+    out[np.random.default_rng(seed).permutation(n)[:right]] = True
+    return out
+
+
+def test_every_row_gets_its_paired_interval_its_difference_to_the_anchors_best_and_the_honest_dev_pick():
+    """Synthetic predictions: FeatCal right on 80 % of test, Surgery on 2 examples fewer (the same ones
+    otherwise), the anchor alone far below. Dev: Surgery one example ahead, a tie the rule breaks by
+    FeatCal's zero added parameters."""
+    n = 300
+    featcal = {t: correctness(n, 240, seed) for seed, t in enumerate(TASKS)}
+    surgery = {t: v.copy() for t, v in featcal.items()}
+    for t in TASKS:
+        surgery[t][np.flatnonzero(featcal[t])[:2]] = False
+    alone = {t: correctness(n, 150, 10 + seed) for seed, t in enumerate(TASKS)}
+    experts = {t: correctness(n, 270, 20 + seed) for seed, t in enumerate(TASKS)}
+    dev_f = {t: correctness(100, 70, 30 + seed) for seed, t in enumerate(TASKS)}
+    dev_s = {t: v.copy() for t, v in dev_f.items()}
+    dev_s["a"][np.flatnonzero(~dev_f["a"])[0]] = True
+
+    def scores(correct):
+        per = {t: round(float(c.mean()), 6) for t, c in correct.items()}
+        return {"avg": round(sum(per.values()) / len(per), 6), **per}
+
+    def study(name, test, dev, params):
+        return {"study": name, "best": {"trial": 1, "dev_avg": scores(dev)["avg"], "params": params},
+                "trials": {"complete": 4}, "trial_wall_s": {"mean": 10.0}, "test": scores(test)}
+
+    rows = comparison_rows(0.9, {"ties": scores(alone)},
+                           {("ties", "featcal"): study("f", featcal, dev_f, {"alpha": 0.3}),
+                            ("ties", "surgery"): study("s", surgery, dev_s, {"rank": 4})}, width=8, n_tasks=2)
+    models = {("ties", "alone"): "ties", ("ties", "featcal"): "f", ("ties", "surgery"): "s"}
+    test = {"ties": alone, "f": featcal, "s": surgery, "experts": experts}
+    dev = {"f": dev_f, "s": dev_s}
+    measured = with_uncertainty(rows, models, scores(experts), test, dev, n_resamples=500, seed=0)
+    again = with_uncertainty(rows, models, scores(experts), test, dev, n_resamples=500, seed=0)
+    assert measured == again   # the same seed, the same intervals
+
+    by_method = {r.method: r for r in measured.rows}
+    indices = resample_indices({t: n for t in TASKS}, 500, 0)
+    direct = accuracy_intervals(featcal, indices)
+    assert by_method["featcal"].ci95["avg"] == [direct.mean.low, direct.mean.high]
+    assert by_method["featcal"].ci95["a"] == [direct.tasks["a"].low, direct.tasks["a"].high]
+    assert by_method["featcal"].vs_best["best"] == "featcal"
+    assert by_method["surgery"].vs_best["difference"] == pytest.approx(-2 / 300)
+    assert by_method["surgery"].vs_best["significant"] is False   # 4 discordant examples: p = 0.125
+    assert by_method["alone"].vs_best["significant"] is True
+    assert measured.significant_vs_best == {"ties": {"best": "featcal", "rows": {"alone": True, "surgery": False}}}
+    assert measured.selection["overall"]["best"] == "ties/surgery"
+    assert measured.selection["overall"]["chosen"] == "ties/featcal"   # tied on dev, adds no parameters
+    assert measured.selection["featcal"]["chosen"] == "ties/featcal"
+    assert measured.experts_ci95["avg"][0] < 0.9 < measured.experts_ci95["avg"][1]
+    lines = markdown_table(measured.rows, TASKS)
+    assert "| 95 % CI | vs anchor's best (95 % CI) |" in lines and "n.s." in lines and "| best |" in lines
+
+    wrong = {**test, "s": featcal}   # another model's predictions under Surgery's name
+    with pytest.raises(ValueError, match="row ties/surgery: its predictions give 0.800000 on 'a' where the table has"):
+        with_uncertainty(rows, models, scores(experts), wrong, dev, n_resamples=50)
+    with pytest.raises(ValueError, match="row ties/featcal: no dev predictions"):
+        with_uncertainty(rows, models, scores(experts), test, {"s": dev_s}, n_resamples=50)

@@ -134,8 +134,13 @@ def render(metrics: dict, plots: list[tuple[str | os.PathLike, str]], compare: d
                   "<code>results/compare.json</code></h2>",
                   "<p>Each (anchor, method) at its study's dev-best configuration; gap closed = (method − anchor) / "
                   "(experts − anchor), vs TA the same of Task Arithmetic's gap; search s: the study's trials; "
-                  "extra params: what the deployed model carries beyond the merged backbone. Bold: the rows dev "
-                  "picks, overall and among the FeatCal pipelines.</p>",
+                  "extra params: what the deployed model carries beyond the merged backbone. 95 % CI: paired "
+                  "bootstrap interval of the test average (test examples resampled within each task, the same "
+                  "resamples for every row); vs anchor's best: the difference to the anchor's best test row and "
+                  "its interval, <b>n.s.</b> where the test split cannot tell the two apart. Bold: the rows dev "
+                  "picks by the selection rule (rows whose dev difference to the dev-best is not significant are "
+                  "tied; fewer added parameters, then less search time wins), overall and among the FeatCal "
+                  "pipelines.</p>",
                   _table(tuned.header, tuned.rows, tuned.text_cols, tuned.bold)]
     if plots:
         parts += ["<h2>Plots</h2>", *(figure(p, c) for p, c in plots)]

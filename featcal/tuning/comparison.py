@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
+import numpy as np
+
 METHODS = ("alone", "featcal", "surgery", "probsurgery")   # the anchor alone, and the post-merge methods
 SIGMERGE_FEATCAL = "sigmerge_featcal"   # SigMerge repairing the anchor, then FeatCal (its own study)
 COMPARED = METHODS + (SIGMERGE_FEATCAL,)
@@ -31,6 +33,9 @@ class ComparisonRow:
     trials: int = 0
     search_s: float = 0.0                  # the study's trials, wall seconds (mean trial × trials)
     extra_parameters: int = 0              # carried by the deployed model beyond the merged backbone
+    ci95: dict | None = None               # {"avg", <task>: [low, high]}: paired bootstrap, test
+    vs_best: dict | None = None            # test difference to its anchor's best row: {"best", "difference",
+                                           # "ci95", "significant"} (`with_uncertainty`)
 
 
 def gap(value: float, anchor: float, experts: float) -> float | None:
@@ -126,17 +131,37 @@ def rows_from_mapping(anchors: Mapping[str, Mapping[str, Mapping]]) -> list[Comp
             for method, fields in methods.items()]
 
 
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}"
+
+
+def _interval(pair) -> str:
+    return "–" if pair is None else f"[{100 * pair[0]:.1f}, {100 * pair[1]:.1f}]"
+
+
+def _vs_best(row: ComparisonRow) -> str:
+    """"best", or the difference to the anchor's best row with its interval, "n.s." where not significant."""
+    v = row.vs_best
+    if v is None:
+        return "–"
+    if v["best"] == row.method:
+        return "best"
+    cell = f"{100 * v['difference']:+.1f} {_interval(v['ci95'])}"
+    return cell if v["significant"] else f"{cell} n.s."
+
+
 def table_cells(rows: list[ComparisonRow], tasks: list[str]) -> tuple[list[str], list[list[str]]]:
-    """Header and text cells, one line per (anchor, method): test per task, average, gaps closed, dev,
-    search cost, extra parameters (accuracies in %, rounded once, here)."""
-    head = ["anchor", "method", *tasks, "test avg", "gap closed", "vs TA", "dev avg", "search s", "extra params"]
-
-    def pct(x: float | None) -> str:
-        return "–" if x is None else f"{100 * x:.1f}"
-
-    return head, [[r.anchor, r.method, *(pct(r.test.get(t)) for t in tasks), pct(r.test_avg), pct(r.gap_closed),
-                   pct(r.gap_closed_vs_ta), pct(r.dev_avg), f"{r.search_s:.0f}" if r.trials else "–",
-                   f"{r.extra_parameters:,}"] for r in rows]
+    """Header and text cells, one line per (anchor, method): test per task, average and its 95 %
+    interval, the difference to the anchor's best row (n.s.: not significant), gaps closed, dev, search
+    cost, extra parameters (accuracies in %, rounded once, here). The interval columns appear when the
+    rows carry them (`with_uncertainty`)."""
+    intervals = any(r.ci95 is not None for r in rows)
+    head = ["anchor", "method", *tasks, "test avg", *(["95 % CI", "vs anchor's best (95 % CI)"] if intervals else []),
+            "gap closed", "vs TA", "dev avg", "search s", "extra params"]
+    return head, [[r.anchor, r.method, *(_pct(r.test.get(t)) for t in tasks), _pct(r.test_avg),
+                   *([_interval((r.ci95 or {}).get("avg")), _vs_best(r)] if intervals else []),
+                   _pct(r.gap_closed), _pct(r.gap_closed_vs_ta), _pct(r.dev_avg),
+                   f"{r.search_s:.0f}" if r.trials else "–", f"{r.extra_parameters:,}"] for r in rows]
 
 
 def markdown_table(rows: list[ComparisonRow], tasks: list[str]) -> str:
@@ -145,3 +170,102 @@ def markdown_table(rows: list[ComparisonRow], tasks: list[str]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(line) + " |" for line in cells]
     return "\n".join(lines) + "\n"
+
+
+# --- uncertainty (docs/uncertainty.md) -------------------------------------------------------------------
+
+Correct = Mapping[str, Mapping[str, "np.ndarray"]]   # model -> task -> per-example correctness
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """The rows with their test intervals (`ci95`, `vs_best`), the experts' interval, per anchor
+    which rows differ significantly from its best test row, and the honest dev selection."""
+    rows: list[ComparisonRow]
+    experts_ci95: dict
+    significant_vs_best: dict[str, dict]   # anchor -> {"best": method, "rows": {method: significant}}
+    selection: dict                        # "overall", "featcal", "per_anchor": the rule's picks on dev
+    n_resamples: int
+    seed: int
+
+
+def _pairs(intervals) -> dict:
+    return {"avg": [intervals.mean.low, intervals.mean.high],
+            **{t: [i.low, i.high] for t, i in intervals.tasks.items()}}
+
+
+def _agrees(what: str, correct: Mapping[str, "np.ndarray"], scores: Mapping[str, float], tolerance: float) -> None:
+    """The predictions give the table's scores (to its rounding): they are that model's."""
+    for task, value in scores.items():
+        if task in ("avg", "gap_closed"):
+            continue
+        if task not in correct:
+            raise ValueError(f"{what}: no predictions for task {task!r}")
+        got = float(np.mean(correct[task]))
+        if abs(got - float(value)) > tolerance:
+            raise ValueError(f"{what}: its predictions give {got:.6f} on {task!r} where the table has {value}: "
+                             "they are not that model's (re-run stages/tune_anchor.py --rescore)")
+
+
+def with_uncertainty(rows: list[ComparisonRow], models: Mapping[tuple[str, str], str], experts_test: Mapping[str, float],
+                     test: Correct, dev: Correct, n_resamples: int = 4000, seed: int = 0,
+                     level: float = 0.95) -> Uncertainty:
+    """Paired bootstrap over the rows: `models[(anchor, method)]` names a row's predictions in `test`
+    and `dev` (model -> task -> correctness; the experts' are "experts"). Every row gets its test
+    interval and its difference to the best test row of its anchor; the selection rule
+    (`featcal.evaluation.bootstrap.selection`) picks on dev, overall, among FeatCal's pipelines and
+    per anchor. Predictions that do not give a row's reported scores are refused, naming the row."""
+    from featcal.evaluation.bootstrap import accuracy_intervals, difference_interval, resample_indices, selection, task_sizes
+
+    for row in rows:
+        if (row.anchor, row.method) not in models or models[(row.anchor, row.method)] not in test:
+            raise ValueError(f"row {row.anchor}/{row.method}: no test predictions")
+        _agrees(f"row {row.anchor}/{row.method}", test[models[(row.anchor, row.method)]], row.test,
+                5e-5 if row.method == "alone" else 5e-7)   # the anchors alone are rounded to 4 digits
+    if "experts" not in test:
+        raise ValueError("no test predictions of the experts")
+    _agrees("the experts", test["experts"], experts_test, 5e-5)
+    used = {name: test[name] for name in {*models.values(), "experts"}}
+    indices = resample_indices(task_sizes(used), n_resamples, seed)
+    out, marks = [], {}
+    for anchor in dict.fromkeys(r.anchor for r in rows):
+        group = [r for r in rows if r.anchor == anchor]
+        best = max(group, key=lambda r: (r.test_avg, -r.extra_parameters))
+        best_correct = test[models[(anchor, best.method)]]
+        marks[anchor] = {"best": best.method, "rows": {}}
+        for row in group:
+            correct = test[models[(anchor, row.method)]]
+            ci = _pairs(accuracy_intervals(correct, indices, level, model=models[(anchor, row.method)]))
+            vs_best = None
+            if row is not best:
+                d = difference_interval(correct, best_correct, indices, level,
+                                        names=(models[(anchor, row.method)], models[(anchor, best.method)])).mean
+                vs_best = {"best": best.method, "difference": d.estimate, "ci95": [d.low, d.high],
+                           "significant": d.significant}
+                marks[anchor]["rows"][row.method] = d.significant
+            else:
+                vs_best = {"best": best.method, "difference": 0.0, "ci95": [0.0, 0.0], "significant": False}
+            out.append(ComparisonRow(**{**asdict(row), "ci95": ci, "vs_best": vs_best}))
+    searched = [r for r in rows if r.dev_avg is not None]
+    for row in searched:
+        name = models[(row.anchor, row.method)]
+        if name not in dev:
+            raise ValueError(f"row {row.anchor}/{row.method}: no dev predictions")
+        if abs(float(np.mean([np.mean(c) for c in dev[name].values()])) - row.dev_avg) > 5e-6:
+            raise ValueError(f"row {row.anchor}/{row.method}: its dev predictions do not give its dev score "
+                             f"{row.dev_avg} (re-run stages/tune_anchor.py --rescore)")
+    dev_sizes = task_sizes({models[(r.anchor, r.method)]: dev[models[(r.anchor, r.method)]] for r in searched})
+    dev_indices = resample_indices(dev_sizes, n_resamples, seed)
+
+    def pick(candidates: list[ComparisonRow]) -> dict:
+        key = {f"{r.anchor}/{r.method}": r for r in candidates}
+        chosen = selection({k: dev[models[(r.anchor, r.method)]] for k, r in key.items()},
+                           {k: r.extra_parameters for k, r in key.items()}, {k: r.search_s for k, r in key.items()},
+                           dev_indices, level)
+        return {"chosen": chosen.chosen, "best": chosen.best, "tied": list(chosen.tied), "reason": chosen.reason}
+
+    picks = {"overall": pick(searched), "featcal": pick([r for r in searched if r.method in FEATCAL_PIPELINES]),
+             "per_anchor": {a: pick([r for r in searched if r.anchor == a])
+                            for a in dict.fromkeys(r.anchor for r in searched)}}
+    experts = _pairs(accuracy_intervals(test["experts"], indices, level, model="experts"))
+    return Uncertainty(out, experts, marks, picks, n_resamples, seed)
