@@ -23,7 +23,8 @@ from featcal.evaluation.plots import plot_grouped_bars, plot_study
 from featcal.io.models import write_json
 from featcal.evaluation.predictions import read_correctness
 from featcal.tuning.comparison import (
-    COMPARED, FEATCAL_PIPELINES, as_mapping, comparison_rows, dev_best, markdown_table, per_task_groups, with_uncertainty,
+    COMPARED, FEATCAL_PIPELINES, as_mapping, comparison_rows, detectable, dev_best, markdown_table, per_task_groups,
+    with_uncertainty,
 )
 
 
@@ -70,10 +71,10 @@ def main() -> None:
                          "<anchor> --rescore (and --sigmerge --rescore) for every anchor of the comparison")
     models = {(r.anchor, r.method): r.anchor if r.method == "alone" else studies[(r.anchor, r.method)]["study"]
               for r in rows}
+    correct = {split: read_correctness(files, split) for split in ("dev", "test")}
     try:
-        measured = with_uncertainty(rows, models, compared["experts"], read_correctness(files, "test"),
-                                    read_correctness(files, "dev"), n_resamples=args.resamples,
-                                    seed=int(get(params, "seed")))
+        measured = with_uncertainty(rows, models, compared["experts"], correct["test"], correct["dev"],
+                                    n_resamples=args.resamples, seed=int(get(params, "seed")))
     except ValueError as err:
         raise SystemExit(f"compare_tuned: {args.predictions}: {err}") from None
     rows = measured.rows
@@ -84,6 +85,7 @@ def main() -> None:
                           "dev_best_featcal": {"anchor": best_featcal.anchor, "method": best_featcal.method},
                           "selected": chosen, "selection": measured.selection,
                           "significant_vs_best": measured.significant_vs_best,
+                          "detectable": {split: detectable(rows, models, correct[split]) for split in ("dev", "test")},
                           "bootstrap": {"resamples": measured.n_resamples, "seed": measured.seed, "level": 0.95,
                                         "paired": "test examples resampled within each task, the same for every row"}})
     Path(args.table).write_text(markdown_table(rows, tasks))

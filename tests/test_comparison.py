@@ -5,7 +5,8 @@ import pytest
 
 from featcal.evaluation.bootstrap import accuracy_intervals, resample_indices
 from featcal.tuning.comparison import (FEATCAL_PIPELINES, as_mapping, comparison_rows, dev_best, extra_parameters, gap,
-                                       markdown_table, per_task_groups, with_uncertainty)
+                                       markdown_table, per_task_groups, with_uncertainty,
+                                       detectable)
 
 TASKS = ["a", "b"]
 
@@ -149,6 +150,12 @@ def test_every_row_gets_its_paired_interval_its_difference_to_the_anchors_best_a
     assert measured.experts_ci95["avg"][0] < 0.9 < measured.experts_ci95["avg"][1]
     lines = markdown_table(measured.rows, TASKS)
     assert "| 95 % CI | vs anchor's best (95 % CI) |" in lines and "n.s." in lines and "| best |" in lines
+
+    resolved = detectable(rows, models, test)   # the one pair of tuned rows disagrees on 2 of 300 examples a task
+    assert resolved["discordant"] == {"a": pytest.approx(2 / 300), "b": pytest.approx(2 / 300)}
+    z = 1.959963984540054 + 0.8416212335729143
+    assert resolved["mdd"]["a"] == pytest.approx(z * (2 / 300 / 300) ** 0.5)
+    assert resolved["mdd"]["avg"] == pytest.approx(z * (2 * 2 / 300 / 300) ** 0.5 / 2)
 
     wrong = {**test, "s": featcal}   # another model's predictions under Surgery's name
     with pytest.raises(ValueError, match="row ties/surgery: its predictions give 0.800000 on 'a' where the table has"):

@@ -269,3 +269,32 @@ def with_uncertainty(rows: list[ComparisonRow], models: Mapping[tuple[str, str],
                             for a in dict.fromkeys(r.anchor for r in searched)}}
     experts = _pairs(accuracy_intervals(test["experts"], indices, level, model="experts"))
     return Uncertainty(out, experts, marks, picks, n_resamples, seed)
+
+
+def detectable(rows: list[ComparisonRow], models: Mapping[tuple[str, str], str], correct: Correct,
+               alpha: float = 0.05, power: float = 0.8) -> dict:
+    """What a split can resolve between two of the tuned rows: per task, the measured rate at which
+    two rows of one anchor disagree in correctness (averaged over every such pair), and the minimum
+    detectable difference it gives (`featcal.evaluation.bootstrap.minimum_detectable_difference`)."""
+    from featcal.evaluation.bootstrap import minimum_detectable_difference
+
+    searched = [r for r in rows if r.dev_avg is not None]
+    rates: dict[str, list[float]] = {}
+    accuracy: dict[str, list[float]] = {}
+    for anchor in dict.fromkeys(r.anchor for r in searched):
+        group = [correct[models[(r.anchor, r.method)]] for r in searched if r.anchor == anchor]
+        for i, a in enumerate(group):
+            for task, values in a.items():
+                accuracy.setdefault(task, []).append(float(np.mean(values)))
+            for b in group[i + 1:]:
+                for task in a:
+                    rates.setdefault(task, []).append(float(np.mean(a[task] != b[task])))
+    if not rates:
+        raise ValueError("no two tuned rows of one anchor to measure how often rows disagree")
+    sizes = {task: len(next(iter(correct.values()))[task]) for task in rates}
+    d = {task: float(np.mean(v)) for task, v in rates.items()}
+    found = minimum_detectable_difference(sizes, {t: float(np.mean(v)) for t, v in accuracy.items()}, alpha, power, d)
+    return {"examples": sizes, "discordant": d,
+            "mdd": {"avg": found.mean.paired, **{t: x.paired for t, x in found.tasks.items()}},
+            "mdd_unpaired": {"avg": found.mean.unpaired, **{t: x.unpaired for t, x in found.tasks.items()}},
+            "alpha": alpha, "power": power}
