@@ -11,8 +11,9 @@ Models (built in the child, nothing downloaded): a seeded random `transformers.B
 (--layers blocks, 64-wide heads, a --vocab-word embedding) as the base; each expert is the base plus
 a small random task vector (seeded noise of 0.02 x each parameter's std); the merged model is their
 average (`featcal.merging.merge_state_dicts("average", ...)`). Calibration data: random token ids,
---seq tokens per example, batches of --batch-size (the demo's 16). FeatCal runs with its default
-`FeatCalConfig()`.
+--seq tokens per example, batches of --batch-size (the demo's 16). FeatCal runs at the spec's values
+with float32 moment products (`FeatCalConfig(product_dtype="float32")`, the default when
+results/scaling.json was measured; the exact float64 path is now every default).
 
 Per point the child reports, from `featcal.profiling.measure` around the `calibrate` call alone:
 the wall time, the peak RSS during the call, and the *added* RSS = that peak minus the RSS right
@@ -138,7 +139,7 @@ def run_point(tasks: int, examples: int, hidden: int, args: argparse.Namespace) 
     setup_s = time.perf_counter() - t_start
 
     with phase_times() as phases, measure() as m:
-        calibrate(merged, base, experts, batches, FeatCalConfig(), inplace=True, progress=False)
+        calibrate(merged, base, experts, batches, FeatCalConfig(product_dtype="float32"), inplace=True, progress=False)
     return {
         "tasks": tasks, "examples": examples, "hidden": hidden, "intermediate": 4 * hidden,
         "wall_s": m.wall_s, "peak_rss_mib": m.peak_rss_mib, "added_rss_mib": m.added_rss_mib,
