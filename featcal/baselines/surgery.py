@@ -184,11 +184,11 @@ class _Sampler:
 
     def __init__(self, n: int, batch_size: int, generator: torch.Generator):
         self.n, self.batch_size, self.generator = n, min(batch_size, n), generator
-        self.order, self.pos = torch.empty(0, dtype=torch.long), 0
+        self.order, self.pos = torch.empty(0, dtype=torch.long, device="cpu"), 0   # host indices
 
     def next(self) -> Tensor:
         if self.pos + self.batch_size > len(self.order):
-            self.order, self.pos = torch.randperm(self.n, generator=self.generator), 0
+            self.order, self.pos = torch.randperm(self.n, generator=self.generator, device="cpu"), 0
         batch = self.order[self.pos:self.pos + self.batch_size]
         self.pos += self.batch_size
         return batch

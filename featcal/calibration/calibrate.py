@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from featcal.calibration import solve
 from featcal.families import Family, Stream, family_for, module_kind
 from featcal.calibration.config import FeatCalConfig, LayerHyper
-from featcal.calibration.moments import LinearMoments, Moments, NormMoments
+from featcal.calibration.moments import LinearMoments, Moments, NormMoments, host_count
 from featcal.profiling import phase, trim_heap
 
 log = logging.getLogger(__name__)
@@ -270,14 +270,14 @@ def block_drift(
     """Mean L2 distance and cosine similarity between block `index`'s outputs in the student and
     expert streams (the streams `run_block` returned), over every real token of every task.
     `reduce_sums` (data-parallel runs) sums the (l2, cosine, count) totals over processes."""
-    l2 = cos = count = torch.zeros((), dtype=torch.float64)
+    l2 = cos = count = host_count(0)   # host scalars: the sums below may live on any device
     for task, streams in student.items():
         for s, e in zip(streams, expert[task], strict=True):
             hs, mask = family.block_output(student_backbone, index, s)
             he, _ = family.block_output(expert_backbones[task], index, e)
             hs, he = real_rows(hs, mask), real_rows(he, mask)   # per-token terms in the model's dtype,
-            l2 = l2 + (hs - he).norm(dim=-1).sum(dtype=torch.float64)      # their sums in float64
-            cos = cos + F.cosine_similarity(hs, he, dim=-1).sum(dtype=torch.float64)
+            l2 = l2 + (hs - he).norm(dim=-1).sum(dtype=torch.float64).cpu()      # their sums in float64
+            cos = cos + F.cosine_similarity(hs, he, dim=-1).sum(dtype=torch.float64).cpu()
             count = count + hs.shape[0]
     if reduce_sums is not None:
         l2, cos, count = reduce_sums(torch.stack([l2, cos, count]))

@@ -15,6 +15,12 @@ from torch import Tensor
 PRODUCT_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+def host_count(n: float) -> Tensor:
+    """A row count as a 0-dim float64 CPU tensor: a host scalar, which combines with sums on any
+    device (and is what the data-parallel reductions add up)."""
+    return torch.tensor(float(n), dtype=torch.float64, device="cpu")
+
+
 def _rows(x: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
     return x.reshape(-1, x.shape[-1]).to(dtype)
 
@@ -51,7 +57,7 @@ class LinearMoments:
     (in × in). The solve needs only W_e K, so this is exact, and its products cost out/in as much.
     """
 
-    count: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    count: Tensor = field(default_factory=lambda: host_count(0))   # a host scalar: mixes with any device
     student_gram: Tensor | None = None
     cross: Tensor | None = None
     student_sum: Tensor | None = None
@@ -85,7 +91,7 @@ class LinearMoments:
         xs, xe = _rows(student, product_dtype), _rows(expert, product_dtype)
         if xs.shape != xe.shape:
             raise ValueError(f"student rows {tuple(xs.shape)} and expert rows {tuple(xe.shape)} differ")
-        count = torch.tensor(float(xs.shape[0]), dtype=torch.float64)
+        count = host_count(xs.shape[0])
         if weights is not None:
             w = _row_weights(weights, xs.shape[0], xs.device)
             count, w = w.sum().cpu(), w.to(product_dtype)[:, None]   # counts stay on the host
@@ -134,7 +140,7 @@ class LinearMoments:
 class NormMoments:
     """Σw, Σw z, Σw z² per channel of a norm module's normalised student input z."""
 
-    count: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    count: Tensor = field(default_factory=lambda: host_count(0))
     first: Tensor | None = None
     second: Tensor | None = None
 

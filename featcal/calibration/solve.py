@@ -39,7 +39,7 @@ def condition_estimate(a: Tensor, chol: Tensor, iterations: int = 10) -> float:
     enough to flag systems that are ill-conditioned by orders of magnitude.
     """
     g = torch.Generator().manual_seed(0)
-    v = torch.randn(a.shape[0], 1, dtype=torch.float64, generator=g).to(a.device)
+    v = torch.randn(a.shape[0], 1, dtype=torch.float64, generator=g, device="cpu").to(a.device)   # one start everywhere
     w = v.clone()
     top = low_inv = 0.0
     for _ in range(iterations):

@@ -145,12 +145,12 @@ class Family:
     def token_mask(self, inputs: Mapping[str, Tensor], hidden: Tensor) -> Tensor:
         mask = inputs.get("attention_mask")
         if mask is None:
-            return torch.ones(hidden.shape[:2], dtype=torch.bool)
+            return torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
         return mask.to(torch.bool)
 
     def pooled_index(self, mask: Tensor) -> Tensor | None:
         if self.pooling == "cls":
-            return torch.zeros(mask.shape[0], dtype=torch.long)
+            return torch.zeros(mask.shape[0], dtype=torch.long, device=mask.device)
         if self.pooling == "last":
             return mask.long().sum(1) - 1
         return None
@@ -204,6 +204,6 @@ class Family:
 def pool(hidden: Tensor, mask: Tensor, pooled_index: Tensor | None) -> Tensor:
     """The pooled token (CLS / last) or the masked mean over tokens."""
     if pooled_index is not None:
-        return hidden[torch.arange(hidden.shape[0]), pooled_index]
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), pooled_index]
     m = mask.to(hidden.dtype)[..., None]
     return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)

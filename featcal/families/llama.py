@@ -63,5 +63,5 @@ class LlamaFamily(Family):
 
     def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
         """norm(h_L) at the pooled token: what `score` reads."""
-        last = stream.hidden[torch.arange(stream.hidden.shape[0]), stream.pooled_index]
+        last = stream.hidden[torch.arange(stream.hidden.shape[0], device=stream.hidden.device), stream.pooled_index]
         return backbone.norm(last)

@@ -44,7 +44,7 @@ class ImageTowerFamily(Family):
 
     def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
         """final_norm(CLS of the last block): what the head reads."""
-        cls = stream.hidden[torch.arange(stream.hidden.shape[0]), stream.pooled_index]
+        cls = stream.hidden[torch.arange(stream.hidden.shape[0], device=stream.hidden.device), stream.pooled_index]
         return self.final_norm(backbone)(cls)
 
 

@@ -107,7 +107,7 @@ class BatchDraws:
 
     def next(self, task: str) -> int:
         if not self.queues[task]:
-            self.queues[task] = torch.randperm(self.sizes[task], generator=self.generator).tolist()
+            self.queues[task] = torch.randperm(self.sizes[task], generator=self.generator, device="cpu").tolist()
         index = self.queues[task].pop(0)
         self.counts[task][index] += 1
         return index
@@ -235,7 +235,8 @@ def fit_lambda(
     blocks = tuple(family.block_prefix(like, i) for i in range(len(family.blocks(like))))
     outer = [name for name in names if not name.startswith(blocks)]
     outer_base, outer_taus = vectors.read(outer)
-    lam = torch.full((len(names), len(tasks)), float(opts.init), dtype=torch.float32, requires_grad=True)
+    device = next(like.parameters()).device   # λ lives where the models do
+    lam = torch.full((len(names), len(tasks)), float(opts.init), dtype=torch.float32, device=device, requires_grad=True)
     optimizer = torch.optim.Adam([lam], lr=opts.lr, betas=(0.9, 0.999), weight_decay=0.0)
     models = {t: m.eval() for t, m in models.items()}
     prefixes = {t: _backbone_prefix(family, m) for t, m in models.items()}
@@ -246,7 +247,7 @@ def fit_lambda(
         for _ in range(opts.steps):
             step.coef = lam.clamp(0.0, 1.0) if opts.clamp else lam
             params = combine(outer_base, outer_taus, step.coef, rows, outer)
-            loss = torch.zeros((), dtype=torch.float32)
+            loss = torch.zeros((), dtype=torch.float32, device=device)
             for task in tasks:
                 for _ in range(opts.batches_per_step):
                     batch = batches[task][draws.next(task)]

@@ -216,7 +216,7 @@ def model_topk_masks(taus: Sequence[Tensor], density: float) -> list[Tensor]:
         width = min(_RADIX_BITS, bits_left)
         shift = bits_left - width
         digits = [(c >> shift) & ((1 << width) - 1) for c in candidates]
-        counts = torch.zeros(1 << width, dtype=torch.int64)
+        counts = torch.zeros(1 << width, dtype=torch.int64, device="cpu")   # a host histogram
         for d in digits:
             if d.numel() > 0:
                 counts += torch.bincount(d.long(), minlength=1 << width).cpu()
@@ -298,7 +298,8 @@ def dare_seed(seed: int, expert_index: int, name: str) -> int:
 def dare_rescale(tau: Tensor, drop_rate: float, generator_seed: int) -> Tensor:
     """τ̃ = (m ⊙ τ)/(1 − p) with m ~ Bernoulli(1 − p) from a CPU generator seeded with ``generator_seed``."""
     gen = torch.Generator(device="cpu").manual_seed(generator_seed)
-    keep = torch.rand(tau.shape, generator=gen, dtype=torch.float32) < (1.0 - drop_rate)
+    # drawn on the host whatever the device, so a seed gives one mask everywhere
+    keep = torch.rand(tau.shape, generator=gen, dtype=torch.float32, device="cpu") < (1.0 - drop_rate)
     keep = keep.to(tau.device)
     return torch.where(keep, tau / (1.0 - drop_rate), torch.zeros_like(tau))
 

@@ -52,7 +52,7 @@ from featcal.families import Family, module_kind
 from featcal.io.checkpoints import module_prefix
 from featcal.merging.dense import _check_real
 from featcal.merging.registry import MergeContext, StateDict, compute_dtype, register
-from featcal.calibration.moments import LinearMoments, gram_of
+from featcal.calibration.moments import LinearMoments, gram_of, host_count
 from featcal.calibration.solve import spd_solve
 from featcal.calibration.walk import BlockWeights, ModuleWeights, Streams, walk_blocks
 
@@ -88,7 +88,7 @@ def shrink(gram: Tensor, a: float) -> Tensor:
 def regmean_weight(grams: Sequence[Tensor], weights: Sequence[Tensor], a: float, name: str = "") -> tuple[Tensor, str]:
     """W_M = (Σ_i W_i G̃_i)(Σ_i G̃_i)⁻¹ in float64; also the solver used ("cholesky" or "eigh-pinv")."""
     lhs = torch.zeros_like(grams[0], dtype=torch.float64)
-    rhs = torch.zeros(weights[0].shape, dtype=torch.float64)
+    rhs = torch.zeros(weights[0].shape, dtype=torch.float64, device=weights[0].device)
     for gram, weight in zip(grams, weights, strict=True):
         g = shrink(gram.to(torch.float64), a)
         lhs += g
@@ -100,7 +100,7 @@ def regmean_weight(grams: Sequence[Tensor], weights: Sequence[Tensor], a: float,
 def gram_sums(rows: Tensor) -> LinearMoments:
     """Σ x xᵀ and the row count of one batch's rows (..., n), in float64."""
     x = rows.reshape(-1, rows.shape[-1]).to(torch.float64)
-    return LinearMoments(count=torch.tensor(float(x.shape[0]), dtype=torch.float64), student_gram=gram_of(x))
+    return LinearMoments(count=host_count(x.shape[0]), student_gram=gram_of(x))
 
 
 # --------------------------------------------------------------------------- gathering Grams
