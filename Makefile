@@ -99,12 +99,13 @@ bench: setup
 	$(MAKE) --no-print-directory bench-scaling
 
 # The same figures on the base-size pipeline (after make repro-mpnet), into mpnet/results/bench.json:
-# FeatCal / bare forwards, `make exp-mpnet`'s α re-run / one in-process calibration + scoring, and the
-# largest calibrate-layer stage's peak RSS / the in-process calibration's (every model whole).
+# FeatCal / bare forwards, `make exp-mpnet`'s α re-run (the warm one only: ~10 min an experiment) / one
+# in-process calibration + scoring, and the largest calibrate-layer stage's peak RSS / the in-process
+# calibration's (every model whole).
 .PHONY: bench-mpnet
 bench-mpnet: setup-mpnet
 	cd mpnet && $(CURDIR)/$(PY) ../bench/calibration_cost.py --out results/bench.json
-	$(PY) bench/alpha_rerun.py --project mpnet --rss-baseline in-process
+	$(PY) bench/alpha_rerun.py --project mpnet --rss-baseline in-process --runs warm
 
 # FeatCal's wall time and peak RSS against examples per task, number of tasks and hidden width
 # (synthetic BERTs, one fresh process per run; sized for under ~8 min on an idle 2-core machine;
