@@ -146,6 +146,7 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
     out, predictions = Path(args.out).resolve(), Path(args.predictions).resolve()
     name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
     record_file = predictions / "rescored.json"
+    failed: list[str] = []
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     storage = args.storage
@@ -166,10 +167,16 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
         params_file.write_text(yaml.safe_dump(local, sort_keys=False))
         rescored_file = folder / f"rescored-{key}.json"
         print(f"{name}: rescoring {method} study {summary['study']}", flush=True)
-        run(tune_command(args, params_file, folder, storage, summary["study"], method, rescored_file,
-                         ["--rescore", "--predictions", str(predictions)]), folder, folder / f"rescore-{method}.log")
+        try:
+            run(tune_command(args, params_file, folder, storage, summary["study"], method, rescored_file,
+                             ["--rescore", "--predictions", str(predictions)]), folder, folder / f"rescore-{method}.log")
+        except SystemExit as err:   # the anchor's other studies are rescored all the same
+            print(f"  {method}: FAILED: {str(err)[-600:]}", flush=True)
+            failed.append(method)
+            continue
         again = json.loads(rescored_file.read_text())
         check = {"study": summary["study"], "trial": again["best"]["trial"],
+                 "fingerprint_matched": again.get("fingerprint_matched", True),
                  "same_trial": again["best"]["trial"] == summary["best"]["trial"],
                  "dev_matches": again["rescored_dev"]["matches_trial"],
                  "test_matches": again["test"] == summary["test"],
@@ -180,6 +187,8 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
         print(f"  trial {check['trial']}: dev {'reproduced' if check['dev_matches'] else 'DIFFERS'}, test "
               f"{check['test_avg']:.4f} ({'reproduced' if check['test_matches'] else 'summary: %.4f' % check['summary_test_avg']})",
               flush=True)
+    if failed:
+        raise SystemExit(f"tune_anchor: --rescore: {', '.join(failed)} failed (logs in {args.work})")
 
 
 def main() -> None:

@@ -445,6 +445,15 @@ def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project,
     dev = read_correctness(sorted(predictions.glob("*.parquet")), "dev")
     assert set(dev) == set(test) == {"experts", "task_arithmetic", "task_arithmetic-anchor-featcal",
                                      "task_arithmetic-anchor-surgery", "task_arithmetic-sigmerge-featcal"}
+    assert all(c["fingerprint_matched"] for c in checks.values())
+
+    # a study fingerprinted by older code: rescored unchecked, and it counts by reproducing its record
+    optuna.load_study(study_name="task_arithmetic-sigmerge-featcal", storage=storage).set_user_attr("fingerprint", "0" * 40)
+    said = run([sys.executable, "stages/tune_anchor.py", "task_arithmetic", "--sigmerge", *rescore], project)
+    assert "re-scoring it unchecked" in (tmp_path / "work").joinpath(
+        next(p.name for p in (tmp_path / "work").glob("task_arithmetic-sigmerge-*")), "rescore-featcal.log").read_text()
+    check = json.loads((predictions / "rescored.json").read_text())["task_arithmetic/sigmerge_featcal"]
+    assert check["fingerprint_matched"] is False and check["dev_matches"] and check["test_matches"], said
 
 
 def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> None:

@@ -497,16 +497,19 @@ class TuneOutcome:
 
 
 def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage: str, study_name: str,
-         n_trials: int, settings: StudySettings = StudySettings(), anchor: AnchorSearch | None = None) -> TuneOutcome:
+         n_trials: int, settings: StudySettings = StudySettings(), anchor: AnchorSearch | None = None,
+         check_fingerprint: bool = True) -> TuneOutcome:
     """Bring the study `study_name` in `storage` up to `n_trials` trials of `problem`, searching
     `space` around `base` (the values not searched, and the defaults tried first) and, with
-    `anchor`, the anchor merge's knobs too."""
+    `anchor`, the anchor merge's knobs too. `check_fingerprint=False` only for a study that runs
+    no trial (re-scoring its best, checked against its record instead)."""
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
         raise ValueError(f"n_trials must be an integer >= 1, got {n_trials!r}")
     rdb = make_storage(storage)   # an empty or damaged study file fails here
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=settings.prune_startup_trials)
               if settings.prune_after_layers else None)
-    study = open_study(rdb, study_name, fingerprint=problem.fingerprint(base, space, anchor), pruner=pruner)
+    study = open_study(rdb, study_name, fingerprint=problem.fingerprint(base, space, anchor) if check_fingerprint else None,
+                       pruner=pruner)
     study.set_user_attr("dev_dropped", {t: d.dropped for t, d in problem.dev.items()})
     existing = count_trials(study)
     log.info("study %r in %s: %d trials counted, target %d", study_name, redacted(storage), existing, n_trials)
