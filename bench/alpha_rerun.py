@@ -10,7 +10,7 @@ per checkpoint instead of loading every model. In one run this measures:
     experiment is removed from the experiment list unless --keep-exp; then the same through
     `make exp` (DVC under stages/with_warm_stages.py: stages forked from a warm interpreter), whose
     calibrated blocks must be byte-identical to the cold run's (`alpha_rerun_warm_over_inprocess`);
-(b) one in-process calibration of the same merged model with the new α (`featcal.calibration.calibrate.calibrate`)
+(b) one in-process calibration of the same merged model with the new α (`featcal.calibration.walk.calibrate`)
     plus scoring the calibrated model on test; `alpha_rerun_over_inprocess` = (a) ÷ (b), goal <= 1.3;
 (c) the peak RSS of the largest calibrate-layer stage in that experiment ÷ the whole-model path's:
     on the demo the largest stage before the streaming rewrite (commit c1adb0f's results/timing);
@@ -226,7 +226,7 @@ def in_process(params: dict, alpha: float) -> dict:
     from common import enabled_tasks, get, max_length
 
     from featcal.calibration.config import FeatCalConfig
-    from featcal.calibration.calibrate import calibrate
+    from featcal.calibration.walk import calibrate
     from featcal.data.splits import batches_from_arrays, read_split
     from featcal.evaluation.scoring import score_backbone, summary
     from featcal.io.checkpoints import load_head

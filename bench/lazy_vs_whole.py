@@ -103,7 +103,7 @@ def child(mode: str, work: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     from transformers import AutoModel
 
-    from featcal.calibration.calibrate import calibrate
+    from featcal.calibration.walk import calibrate
     from featcal.calibration.distributed import state_digest
     from featcal.calibration.lazy import calibrate_lazy
     from featcal.merging.lazy import lazy_merge

@@ -127,7 +127,7 @@ def run_point(tasks: int, examples: int, hidden: int, args: argparse.Namespace) 
     import torch
 
     from featcal.calibration.config import FeatCalConfig
-    from featcal.calibration.calibrate import calibrate
+    from featcal.calibration.walk import calibrate
     from featcal.profiling import measure, phase_times
 
     base, experts, merged = build_models(hidden, tasks, args.layers, args.vocab, args.seq, args.seed)

@@ -35,7 +35,7 @@ _EXPORTS = {
     "merge_models": "featcal.merging.in_memory",
     "MERGE_METHODS": "featcal.merging",
     "MergeContext": "featcal.merging",
-    "calibrate": "featcal.calibration.calibrate",
+    "calibrate": "featcal.calibration.walk",
     "CalibrationResult": "featcal.calibration.calibrate",
     "FeatCalConfig": "featcal.calibration.config",
     "calibrate_lazy": "featcal.calibration.lazy",

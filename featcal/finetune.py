@@ -10,8 +10,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from featcal.data.encoders import InputEncoder, check_examples
-from featcal.data.splits import TaskSplit, encode_batches
-from featcal.evaluation.predictions import TaskPredictions, is_recording, record
+from featcal.data.splits import TaskSplit
+# the one accuracy lives with the predictions it records; re-exported here, where the stages import it
+from featcal.evaluation.predictions import accuracy  # noqa: F401
 
 
 @dataclass
@@ -77,25 +78,3 @@ def finetune(model: nn.Module, encoder: InputEncoder, train: TaskSplit, config: 
             on_epoch(epoch, metrics)
     bar.close()
     return model.eval()
-
-
-@torch.no_grad()
-def predict_logits(model: nn.Module, encoder: InputEncoder, examples: list, max_length: int,
-                   batch_size: int = 64) -> torch.Tensor:
-    model.eval()
-    logits = [model(**b).logits.float() for b in encode_batches(encoder, examples, max_length, batch_size)]
-    return torch.cat(logits) if logits else torch.zeros(0, 0)
-
-
-def accuracy(model: nn.Module, encoder: InputEncoder, split: TaskSplit, max_length: int) -> float:
-    """The one accuracy of the project; inside `featcal.evaluation.predictions.recording()` the
-    per-example predictions are kept as well."""
-    check_examples(encoder, split.examples, split.task)
-    if not split.examples:
-        raise ValueError(f"task {split.task!r}: its {split.split} split has no examples to score")
-    logits = predict_logits(model, encoder, split.examples, max_length)
-    preds = logits.argmax(-1)
-    if is_recording():
-        record(TaskPredictions(split.task, split.split, split.example_ids().numpy(), split.labels.numpy(),
-                               preds.numpy(), torch.log_softmax(logits, -1).numpy()))
-    return float((preds == split.labels).float().mean())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from featcal.calibration.config import FeatCalConfig
-from featcal.calibration.calibrate import calibrate
+from featcal.calibration.walk import calibrate
 from conftest import batches_for, perturbed, tiny_bert
 
 

@@ -23,7 +23,7 @@ from transformers import AutoModel
 
 from featcal import merge_models
 from featcal.calibration.config import FeatCalConfig
-from featcal.calibration.calibrate import calibrate
+from featcal.calibration.walk import calibrate
 from featcal.calibration.distributed import (
     all_reduce_moments,
     calibrate_distributed,

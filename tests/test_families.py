@@ -20,7 +20,7 @@ import transformers as tf
 from torch import Tensor, nn
 
 from featcal.calibration.config import FeatCalConfig
-from featcal.calibration.calibrate import calibrate
+from featcal.calibration.walk import calibrate
 from featcal.evaluation.scoring import layer_drift as evaluate_layer_drift
 from featcal.families import FAMILIES, Family, Stream, family_for
 from featcal.families.base import first_output

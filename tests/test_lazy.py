@@ -11,7 +11,7 @@ from transformers import AutoModel
 import featcal.calibration.walk as walk_module
 from featcal import MergeContext, merge_models
 from featcal.calibration.config import FeatCalConfig
-from featcal.calibration.calibrate import calibrate
+from featcal.calibration.walk import calibrate
 from featcal.io.checkpoints import block_group, CheckpointReader, LazyBackbone, parse_size
 from featcal.merging.lazy import CheckpointTaskVectors, lazy_merge
 from featcal.calibration.lazy import calibrate_lazy

@@ -15,7 +15,7 @@ import zarr
 from safetensors.torch import load_file
 
 from featcal.calibration.config import FeatCalConfig
-from featcal.calibration.calibrate import calibrate
+from featcal.calibration.walk import calibrate
 from featcal.calibration.moments import LinearMoments, unpack_moments
 from featcal.data.splits import batches_from_arrays
 from featcal.io.models import load_backbone, load_classifier

@@ -8,7 +8,7 @@ import torch
 
 from featcal import merge_models
 from featcal.calibration.config import FeatCalConfig
-from featcal.calibration.calibrate import calibrate
+from featcal.calibration.walk import calibrate
 from featcal.families import family_for
 from featcal.calibration.layerwise import calibrate_cached_layer, collect_expert_layers
 from featcal.calibration.lazy import calibrate_lazy

@@ -2,8 +2,8 @@
 
 The step only gathers statistics and calls the pure solvers in `featcal.calibration.solve`. It holds one
 block's activations for the calibration set at a time (the student and expert streams entering
-the block). The loop over blocks is `featcal.calibration.walk.walk`, the only one; `calibrate` here is its
-in-memory entry point.
+the block). The loop over blocks is `featcal.calibration.walk.walk`, the only one; `featcal.calibration.walk.calibrate`
+is its in-memory entry point.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from featcal.calibration import solve
-from featcal.families import Family, Stream, family_for, module_kind
+from featcal.families import Family, Stream, module_kind
 from featcal.calibration.config import FeatCalConfig, LayerHyper
 from featcal.calibration.moments import LinearMoments, Moments, NormMoments, host_count
 from featcal.profiling import phase, trim_heap
@@ -421,34 +421,3 @@ def check_tasks(batches: Mapping, experts: Mapping) -> None:
     missing = set(batches) - set(experts)
     if missing:
         raise KeyError(f"calibration data for tasks without an expert: {sorted(missing)}")
-
-
-def calibrate(
-    merged: nn.Module,
-    base: nn.Module,
-    experts: Mapping[str, nn.Module],
-    batches: Mapping[str, Sequence[Mapping[str, Tensor]]],
-    config: FeatCalConfig | None = None,
-    family: Family | None = None,
-    inplace: bool = False,
-    progress: bool = True,
-    reduce_moments: MomentReducer | None = None,
-    reduce_sums: SumReducer | None = None,
-) -> CalibrationResult:
-    """FeatCal in forward order on a merged model, everything in memory (`featcal.calibration.walk`).
-
-    `merged`, `base` and each `experts[task]` are models of one family (full task models or bare
-    backbones); `batches[task]` are tokenised calibration batches of that task (labels unused).
-    Returns the calibrated backbone (a copy unless `inplace`). `reduce_moments` / `reduce_sums`
-    make it one process of a data-parallel run (`featcal.calibration.distributed`); by default none.
-    For experts read one layer at a time from safetensors files, see `featcal.calibration.lazy.calibrate_lazy`.
-    """
-    from featcal.calibration.walk import ModuleWeights, walk_all  # the walk builds on this module's per-block steps
-
-    family = family or family_for(merged)
-    check_tasks(batches, experts)
-    student = student_backbone(family, merged, inplace)
-    weights = ModuleWeights(family.backbone(base).eval(), {t: family.backbone(m).eval() for t, m in experts.items()})
-    result = walk_all(family, student, weights, batches, config or FeatCalConfig(), progress=progress,
-                      reduce_moments=reduce_moments, reduce_sums=reduce_sums)
-    return CalibrationResult(student, result.drift, result.reports)

@@ -241,7 +241,7 @@ def calibrate_distributed(
     memory (`base`, `experts`) or read lazily per block from folders (`base_dir`, `expert_dirs`).
     In one process this is exactly `calibrate` / `calibrate_lazy`.
     """
-    from featcal.calibration.calibrate import calibrate
+    from featcal.calibration.walk import calibrate
     from featcal.calibration.lazy import calibrate_lazy
 
     local = shard_batches(batches)

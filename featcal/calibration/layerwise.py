@@ -4,7 +4,7 @@
 states at a time; `calibrate_cached_layer` walks one block from the cached states entering it.
 Both read from each checkpoint only the tensors of the block they work on (plus the embeddings
 a stream needs to enter), through `featcal.calibration.lazy.LazyWeights`, and both run the one walk
-(`featcal.calibration.walk`). Chained over every block they compute exactly what `featcal.calibration.calibrate.calibrate`
+(`featcal.calibration.walk`). Chained over every block they compute exactly what `featcal.calibration.walk.calibrate`
 computes in one process.
 """
 
@@ -19,9 +19,8 @@ from torch import Tensor
 from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.calibrate import enter_streams, LayerDrift, ModuleReport, MomentReducer, SumReducer
 from featcal.families import family_for
-from featcal.io.checkpoints import (
-    block_prefixes, CheckpointReader, empty_backbone, LazyBackbone, module_prefix, outer_prefixes,
-)
+from featcal.families.base import block_prefixes, outer_prefixes
+from featcal.io.checkpoints import CheckpointReader, empty_backbone, LazyBackbone, module_prefix
 from featcal.calibration.lazy import LazyWeights
 from featcal.calibration.moments import Moments
 from featcal.calibration.walk import Batches, CachedExpertStates, expert_layer_states, split_like, stack_states, walk

@@ -19,9 +19,8 @@ from featcal.calibration.calibrate import CalibrationResult, check_tasks, Moment
 from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.walk import walk_all
 from featcal.families import Family, family_for
-from featcal.io.checkpoints import (
-    block_prefixes, CheckpointReader, LazyBackbone, leaves_stage, module_prefix, outer_prefixes,
-)
+from featcal.families.base import block_prefixes, leaves_stage, outer_prefixes
+from featcal.io.checkpoints import CheckpointReader, LazyBackbone, module_prefix
 
 
 class LazyWeights:
@@ -105,7 +104,7 @@ def calibrate_lazy(
     reduce_moments: MomentReducer | None = None,
     reduce_sums: SumReducer | None = None,
 ) -> CalibrationResult:
-    """`featcal.calibration.calibrate.calibrate` with the base and the experts read from safetensors folders
+    """`featcal.calibration.walk.calibrate` with the base and the experts read from safetensors folders
     one block at a time (`LazyWeights`), instead of loaded whole.
 
     `merged` is in memory (it becomes the calibrated model). `base_dir` and `expert_dirs[task]` are

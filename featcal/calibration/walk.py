@@ -13,9 +13,10 @@ Three things differ between callers, and each is passed in:
   (`CarriedExpertStates`), or read per layer from a cache (`CachedExpertStates`);
 - how sums are reduced across processes (`reduce_moments`, `reduce_sums`; `featcal.calibration.distributed`).
 
-The in-process API walks 0..L in memory; `calibrate_lazy` walks 0..L with lazy weights; a tune
-trial walks 0..L with cached expert states; a `calibrate-layer@Lk` stage walks block k alone with
-lazy weights, cached expert states and the student states its predecessor wrote.
+The in-process API (`calibrate`, at the end of this module) walks 0..L in memory; `calibrate_lazy`
+walks 0..L with lazy weights; a tune trial walks 0..L with cached expert states; a
+`calibrate-layer@Lk` stage walks block k alone with lazy weights, cached expert states and the
+student states its predecessor wrote.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from featcal.calibration.calibrate import (
-    BlockResult, calibrate_block, calibrate_pooler, enter_streams, LayerDrift, ModuleReport, MomentReducer, SumReducer,
+    BlockResult, calibrate_block, calibrate_pooler, CalibrationResult, check_tasks, enter_streams, LayerDrift, ModuleReport,
+    MomentReducer, student_backbone, SumReducer,
 )
 from featcal.calibration.config import FeatCalConfig, resolve_device
-from featcal.families import Family, Stream
+from featcal.families import Family, Stream, family_for
 from featcal.families.base import to_device
 from featcal.profiling import phase
 
@@ -321,3 +323,32 @@ def walk_blocks(
         with weights.block(index) as (base_bb, expert_bbs):
             streams = step(index, base_bb, expert_bbs, streams)
     return streams
+
+
+def calibrate(
+    merged: nn.Module,
+    base: nn.Module,
+    experts: Mapping[str, nn.Module],
+    batches: Mapping[str, Sequence[Mapping[str, Tensor]]],
+    config: FeatCalConfig | None = None,
+    family: Family | None = None,
+    inplace: bool = False,
+    progress: bool = True,
+    reduce_moments: MomentReducer | None = None,
+    reduce_sums: SumReducer | None = None,
+) -> CalibrationResult:
+    """FeatCal in forward order on a merged model, everything in memory (the walk above).
+
+    `merged`, `base` and each `experts[task]` are models of one family (full task models or bare
+    backbones); `batches[task]` are tokenised calibration batches of that task (labels unused).
+    Returns the calibrated backbone (a copy unless `inplace`). `reduce_moments` / `reduce_sums`
+    make it one process of a data-parallel run (`featcal.calibration.distributed`); by default none.
+    For experts read one layer at a time from safetensors files, see `featcal.calibration.lazy.calibrate_lazy`.
+    """
+    family = family or family_for(merged)
+    check_tasks(batches, experts)
+    student = student_backbone(family, merged, inplace)
+    weights = ModuleWeights(family.backbone(base).eval(), {t: family.backbone(m).eval() for t, m in experts.items()})
+    result = walk_all(family, student, weights, batches, config or FeatCalConfig(), progress=progress,
+                      reduce_moments=reduce_moments, reduce_sums=reduce_sums)
+    return CalibrationResult(student, result.drift, result.reports)

@@ -12,9 +12,6 @@ from torch import Tensor
 
 from featcal.data.images import decode, holds_images
 
-IMAGE_MODEL_TYPES = ("vit", "clip_vision_model", "clip")
-
-
 class TextEncoder:
     """Tokenised, truncated to `max_length`; padded to the longest in the call, or to `pad_to`."""
 
@@ -87,16 +84,12 @@ def check_examples(encoder: InputEncoder, examples: Sequence, task: str) -> None
                          "base model (ViT) and a text task a text one (model.base), in one project")
 
 
-def is_image_model(model_type: str | None) -> bool:
-    return model_type in IMAGE_MODEL_TYPES
-
-
 def load_encoder(ref: str | os.PathLike) -> InputEncoder:
     """The input encoder saved with a model (a folder, hub id, `package:` or `parts:` reference):
     its image processor for vision models, else its tokenizer."""
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
 
-    from featcal.io.models import resolve_model_ref
+    from featcal.io.models import is_image_model, resolve_model_ref
 
     path = resolve_model_ref(ref)
     if is_image_model(AutoConfig.from_pretrained(path).model_type):

@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import io
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
@@ -68,32 +64,3 @@ def decode(png: bytes, mode: str = "RGB"):
     from PIL import Image
 
     return Image.open(io.BytesIO(png)).convert(mode)
-
-
-def read_image_folder(folder: Path, task: str) -> pd.DataFrame:
-    """``<folder>/<class>/<image>`` (or ``<folder>/<split>/<class>/<image>`` with split
-    train/dev/validation/test): columns ``image`` (PNG bytes), ``label`` (the class folder's name)
-    and, for the second layout, ``split``."""
-    from featcal.data.spec import _SPLIT_ALIASES
-
-    subdirs = sorted(p for p in folder.iterdir() if p.is_dir())
-    if not subdirs:
-        raise ValueError(f"task {task!r}: image folder {folder} has no class folders")
-    by_split = all(p.name.lower() in _SPLIT_ALIASES for p in subdirs)
-    rows = []
-    for split_dir in subdirs if by_split else [folder]:
-        for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
-            for file in sorted(class_dir.iterdir()):
-                if file.suffix.lower() in IMAGE_SUFFIXES:
-                    row = {"image": to_png(file, f"task {task!r} ({file})"), "label": class_dir.name}
-                    if by_split:
-                        row["split"] = split_dir.name
-                    rows.append(row)
-    if not rows:
-        raise ValueError(f"task {task!r}: no images ({', '.join(IMAGE_SUFFIXES)}) under {folder}")
-    import pandas as pd
-
-    frame = pd.DataFrame(rows)
-    frame.attrs["source_file"] = str(folder)
-    frame.attrs["image_field"] = "image"
-    return frame

@@ -33,9 +33,9 @@ import numpy as np
 import pandas as pd
 
 from featcal.data.corpora import BUILTIN_LOADERS
-from featcal.data.images import example_column
+from featcal.data.images import IMAGE_SUFFIXES, example_column, to_png
 from featcal.data.spec import SPLITS, TaskSpec, _SPLIT_ALIASES, _label_key
-from featcal.io.models import remove_stale_temps, temp_prefix
+from featcal.io.atomic import remove_stale_temps, temp_prefix
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,34 @@ log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------
 
 
+def read_image_folder(folder: Path, task: str) -> pd.DataFrame:
+    """``<folder>/<class>/<image>`` (or ``<folder>/<split>/<class>/<image>`` with split
+    train/dev/validation/test): columns ``image`` (PNG bytes), ``label`` (the class folder's name)
+    and, for the second layout, ``split``."""
+    subdirs = sorted(p for p in folder.iterdir() if p.is_dir())
+    if not subdirs:
+        raise ValueError(f"task {task!r}: image folder {folder} has no class folders")
+    by_split = all(p.name.lower() in _SPLIT_ALIASES for p in subdirs)
+    rows = []
+    for split_dir in subdirs if by_split else [folder]:
+        for class_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+            for file in sorted(class_dir.iterdir()):
+                if file.suffix.lower() in IMAGE_SUFFIXES:
+                    row = {"image": to_png(file, f"task {task!r} ({file})"), "label": class_dir.name}
+                    if by_split:
+                        row["split"] = split_dir.name
+                    rows.append(row)
+    if not rows:
+        raise ValueError(f"task {task!r}: no images ({', '.join(IMAGE_SUFFIXES)}) under {folder}")
+    frame = pd.DataFrame(rows)
+    frame.attrs["source_file"] = str(folder)
+    frame.attrs["image_field"] = "image"
+    return frame
+
+
 def _read_file(spec: TaskSpec) -> pd.DataFrame:
     path = Path(spec.source_target)
     if path.is_dir():
-        from featcal.data.images import read_image_folder
-
         return read_image_folder(path, spec.name)
     if not path.is_file():
         raise FileNotFoundError(f"task {spec.name!r}: source file {path} does not exist")

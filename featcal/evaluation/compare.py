@@ -25,7 +25,7 @@ from featcal.baselines.surgery import (
     ProbSurgeryConfig, SurgeryClassifier, SurgeryConfig, representations, train_probsurgery, train_surgery,
 )
 from featcal.calibration.config import FeatCalConfig
-from featcal.calibration.calibrate import calibrate
+from featcal.calibration.walk import calibrate
 from featcal.data.corrupt import corrupt_examples
 from featcal.data.encoders import InputEncoder, load_encoder
 from featcal.data.splits import Batches, TaskSplit, calibration_subset, encode_batches, read_split
@@ -34,7 +34,7 @@ from featcal.merging.sigmerge import plot_admitted
 from featcal.io.models import load_backbone, load_classifier, with_backbone
 from featcal.profiling import Measurement, measure
 from featcal.evaluation.scoring import score_backbone as score_with_heads
-from featcal.finetune import accuracy
+from featcal.evaluation.predictions import accuracy
 
 CALIBRATION_SPLIT = "train"
 

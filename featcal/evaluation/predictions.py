@@ -1,7 +1,7 @@
 """Per-example predictions of scored models, stored as Parquet (docs/uncertainty.md).
 
 A table of accuracies cannot be re-read with an interval; the predictions behind it can. Every
-scoring path of the project ends in `featcal.finetune.accuracy`, which hands each task's
+scoring path of the project ends in `accuracy` (below), which hands each task's
 predictions to `recording()` when one is active, so a caller collects them without a second scorer:
 
     with recording() as records:
@@ -25,6 +25,11 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
+from torch import nn
+
+from featcal.data.encoders import InputEncoder, check_examples
+from featcal.data.splits import TaskSplit, encode_batches
 
 COLUMNS = ("model", "split", "task", "example_id", "label", "prediction", "log_probs")
 
@@ -168,5 +173,30 @@ def read_correctness(paths: Sequence[str | os.PathLike], split: str) -> dict[str
     return out
 
 
-__all__ = ["COLUMNS", "TaskPredictions", "is_recording", "read_correctness", "read_table", "record", "recording",
+# --- the one accuracy: every scoring path of the project ends here ------------------------------
+
+
+@torch.no_grad()
+def predict_logits(model: nn.Module, encoder: InputEncoder, examples: list, max_length: int,
+                   batch_size: int = 64) -> torch.Tensor:
+    model.eval()
+    logits = [model(**b).logits.float() for b in encode_batches(encoder, examples, max_length, batch_size)]
+    return torch.cat(logits) if logits else torch.zeros(0, 0)
+
+
+def accuracy(model: nn.Module, encoder: InputEncoder, split: TaskSplit, max_length: int) -> float:
+    """The one accuracy of the project; inside `recording()` the
+    per-example predictions are kept as well."""
+    check_examples(encoder, split.examples, split.task)
+    if not split.examples:
+        raise ValueError(f"task {split.task!r}: its {split.split} split has no examples to score")
+    logits = predict_logits(model, encoder, split.examples, max_length)
+    preds = logits.argmax(-1)
+    if is_recording():
+        record(TaskPredictions(split.task, split.split, split.example_ids().numpy(), split.labels.numpy(),
+                               preds.numpy(), torch.log_softmax(logits, -1).numpy()))
+    return float((preds == split.labels).float().mean())
+
+
+__all__ = ["COLUMNS", "TaskPredictions", "accuracy", "is_recording", "predict_logits", "read_correctness", "read_table", "record", "recording",
            "to_table", "write_predictions"]

@@ -13,7 +13,7 @@ from featcal.data.encoders import InputEncoder
 from featcal.data.splits import TaskSplit
 from featcal.families import Family
 from featcal.io.checkpoints import with_backbone_assigned
-from featcal.finetune import accuracy
+from featcal.evaluation.predictions import accuracy
 from featcal.calibration.walk import ModuleWeights, Streams, split_like
 
 Batches = Mapping[str, list[Mapping[str, Tensor]]]

@@ -207,3 +207,27 @@ def pool(hidden: Tensor, mask: Tensor, pooled_index: Tensor | None) -> Tensor:
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), pooled_index]
     m = mask.to(hidden.dtype)[..., None]
     return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+# --- parameter names per block (the lazy, block-at-a-time drivers read checkpoints by these) ---
+
+
+def block_prefixes(family: Family, backbone: nn.Module) -> list[str]:
+    return [family.block_prefix(backbone, i) for i in range(len(family.blocks(backbone)))]
+
+
+def outer_prefixes(family: Family, backbone: nn.Module) -> list[str]:
+    """Parameter names outside every block (embeddings, final norms, pooler): each as a prefix."""
+    inside = tuple(block_prefixes(family, backbone))
+    return [n for n, _ in backbone.named_parameters(remove_duplicate=False) if not n.startswith(inside)]
+
+
+def leaves_stage(family: Family, backbone: nn.Module, index: int) -> bool:
+    """Whether running block `index` also runs parameters outside the blocks (T5: the last encoder
+    block hands over to the decoder through the encoder's final norm and the decoder's embeddings)."""
+    n_encoder = getattr(family, "n_encoder_blocks", None)
+    decoder = getattr(family, "decoder", None)
+    return (
+        n_encoder is not None and decoder is not None and decoder(backbone) is not None
+        and index == n_encoder(backbone) - 1
+    )

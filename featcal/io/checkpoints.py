@@ -29,7 +29,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from featcal.families import Family
 from featcal.io.models import backbone_kwargs, backbone_of, resolve_model_ref
 from featcal.profiling import phase
 
@@ -308,32 +307,11 @@ class LazyBackbone:
             self.release(names)
 
 
-def block_prefixes(family: Family, backbone: nn.Module) -> list[str]:
-    return [family.block_prefix(backbone, i) for i in range(len(family.blocks(backbone)))]
-
-
-def outer_prefixes(family: Family, backbone: nn.Module) -> list[str]:
-    """Parameter names outside every block (embeddings, final norms, pooler): each as a prefix."""
-    inside = tuple(block_prefixes(family, backbone))
-    return [n for n, _ in backbone.named_parameters(remove_duplicate=False) if not n.startswith(inside)]
-
-
 def module_prefix(backbone: nn.Module, target: nn.Module) -> str:
     for name, module in backbone.named_modules():
         if module is target:
             return name + "."
     raise KeyError(type(target).__name__)
-
-
-def leaves_stage(family: Family, backbone: nn.Module, index: int) -> bool:
-    """Whether running block `index` also runs parameters outside the blocks (T5: the last encoder
-    block hands over to the decoder through the encoder's final norm and the decoder's embeddings)."""
-    n_encoder = getattr(family, "n_encoder_blocks", None)
-    decoder = getattr(family, "decoder", None)
-    return (
-        n_encoder is not None and decoder is not None and decoder(backbone) is not None
-        and index == n_encoder(backbone) - 1
-    )
 
 
 @contextlib.contextmanager

@@ -13,9 +13,6 @@ import importlib.util
 import json
 import math
 import os
-import re
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -25,12 +22,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForImageClassification, AutoModelForSequenceClassification
 
+from featcal.io.atomic import (  # noqa: F401  (re-exported: the stages and merges import them from here)
+    atomic_dir, atomic_file, remove_stale_temps, temp_prefix, write_json,
+)
+
 PACKAGE_PREFIX = "package:"
 PARTS_PREFIX = "parts:"
 # ‖θ_expert − θ_base‖ / ‖θ_base‖ over the backbone's weight matrices: fine-tunes stay far below
 # this (the demo's experts: ~0.01); a random init or another checkpoint of that shape lands near 1.4
 IMPLAUSIBLE_TASK_VECTOR_RATIO = 0.5
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+IMAGE_MODEL_TYPES = ("vit", "clip_vision_model", "clip")
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -129,13 +131,16 @@ def backbone_kwargs(tensor_names: Iterable[str] | None, config, pooler: bool | N
     return {} if has_pooler else {"add_pooling_layer": False}
 
 
+def is_image_model(model_type: str | None) -> bool:
+    """Whether a config's `model_type` is a vision model (its inputs are images, its task model an image classifier)."""
+    return model_type in IMAGE_MODEL_TYPES
+
+
 def task_model_class(config) -> type:
     """The task-model class of a config: image classification for vision models, else sequence
     classification."""
-    from featcal.data.encoders import is_image_model
-
     if config.model_type == "clip_vision_model":   # registers its classifier (an import of CLIP's modelling code)
-        from featcal.families import clip_zero_shot  # noqa: F401
+        from featcal.io import clip_vision  # noqa: F401
 
     return AutoModelForImageClassification if is_image_model(config.model_type) else AutoModelForSequenceClassification
 
@@ -280,77 +285,6 @@ def with_backbone(task_model: nn.Module, backbone_state: Mapping[str, torch.Tens
     """The task model with its backbone replaced (in place); the head is kept."""
     backbone_of(task_model).load_state_dict(dict(backbone_state))
     return task_model
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def temp_prefix(target: Path) -> str:
-    """The name prefix of a temporary sibling of `target`, tagged with this process's id."""
-    return f".{target.name}.tmp{os.getpid()}-"
-
-
-def remove_stale_temps(target: Path) -> None:
-    """Remove temporary siblings of `target` left by killed processes (their pid is gone), so a
-    killed stage leaves nothing behind once it runs again (inside a DVC output they would be cached)."""
-    pattern = re.compile(re.escape(f".{target.name}.tmp") + r"(\d+)-")
-    if not target.parent.is_dir():
-        return
-    for path in target.parent.iterdir():
-        match = pattern.match(path.name)
-        if match and not _alive(int(match.group(1))):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-class atomic_dir:
-    """Write a folder under a temporary name and rename it into place only on success."""
-
-    def __init__(self, target: str | os.PathLike):
-        self.target = Path(target)
-
-    def __enter__(self) -> Path:
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(self.target)
-        self.tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(self.target), dir=self.target.parent))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        if self.target.exists():
-            shutil.rmtree(self.target) if self.target.is_dir() else self.target.unlink()
-        os.replace(self.tmp, self.target)
-
-
-class atomic_file:
-    """A temporary path next to `target`, renamed onto it only when the block succeeds."""
-
-    def __init__(self, target: str | os.PathLike):
-        self.target = Path(target)
-
-    def __enter__(self) -> Path:
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.target.with_name(f".{self.target.name}.tmp")
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.tmp.unlink(missing_ok=True)
-            return
-        os.replace(self.tmp, self.target)
-
-
-def write_json(path: str | os.PathLike, data) -> None:
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def with_parameters_from(model: nn.Module, files: Sequence[str | os.PathLike]) -> nn.Module:

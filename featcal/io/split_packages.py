@@ -246,7 +246,7 @@ def resolve_split_checkpoint(name: str) -> str:
     if verified(checkpoint, target):
         return str(target)
     files = part_files(checkpoint)
-    from featcal.io.models import atomic_dir   # (imports torch: only when something is written)
+    from featcal.io.atomic import atomic_dir
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{name}.lock", "w") as lock:

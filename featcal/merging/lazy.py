@@ -21,8 +21,9 @@ from tqdm.auto import tqdm
 from featcal.calibration.calibrate import enter_streams
 from featcal.calibration.lazy import LazyWeights
 from featcal.families import family_for
+from featcal.families.base import block_prefixes, outer_prefixes
 from featcal.io.checkpoints import (
-    _natural, block_group, block_prefixes, CheckpointReader, empty_backbone, INDEX_FILE, LazyBackbone, load_head, module_prefix, outer_prefixes, parse_size, ShardWriter,
+    _natural, block_group, CheckpointReader, empty_backbone, INDEX_FILE, LazyBackbone, load_head, module_prefix, parse_size, ShardWriter,
 )
 from featcal.io.models import atomic_dir, check_finite, ratio_of, resolve_model_ref, task_vector_sums, warn_if_implausible
 from featcal.merging.adamerging import combine, fit_lambda, tied_aliases

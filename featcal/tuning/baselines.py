@@ -22,7 +22,7 @@ from featcal.baselines.surgery import (
     ProbSurgeryConfig, SurgeryClassifier, SurgeryConfig, representations, train_probsurgery, train_surgery,
 )
 from featcal.data.splits import TaskSplit
-from featcal.finetune import accuracy
+from featcal.evaluation.predictions import accuracy
 from featcal.io.checkpoints import with_backbone_assigned
 from featcal.tuning.objective import AnchorSearch, TuneProblem
 from featcal.tuning.study import count_trials, make_storage, open_study, redacted, run_trials, summarize, TuneOutcome
