@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -49,6 +50,17 @@ def load_params(path: str | os.PathLike = "params.yaml", *, check_chain: bool | 
     except ParamsError as err:
         raise SystemExit(f"{path}: {err}") from None
     return raw
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a total of trials)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def get(params: dict, dotted: str, default=...):

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Callable, Mapping
 
-from common import enabled_tasks, get, live_log, load_params, log_step, max_length, setup_logging, timed
+from common import enabled_tasks, get, live_log, load_params, log_step, max_length, positive_int, setup_logging, timed
 from params_schema import Tune as TuneParams
 
 from featcal.calibration.config import FeatCalConfig
@@ -35,17 +35,6 @@ from featcal.tuning import (
 from featcal.tuning.study import snapshot_to_sqlite
 
 DEFAULT_SQLITE = "tune/study.db"
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a total of trials)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

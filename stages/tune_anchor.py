@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from common import get, load_params
+from common import get, load_params, positive_int
 
 from featcal.calibration.config import FeatCalConfig
 from featcal.io.models import write_json
@@ -195,7 +195,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("anchor", help="a registry name of compare.anchors (its options are the merge's)")
     parser.add_argument("--methods", nargs="+", choices=METHODS[1:], help="default: all (with --sigmerge: featcal)")
-    parser.add_argument("--n-trials", type=int, help="trials per study (default tune.n_trials); raising it resumes")
+    parser.add_argument("--n-trials", type=positive_int,
+                        help="trials per study, at least 1 (default tune.n_trials); raising it resumes")
     parser.add_argument("--anchor-search", nargs="*", default=[], metavar="KEY=LOW:HIGH",
                         help="also search these options of the anchor (tune.anchor_search)")
     parser.add_argument("--no-pooler", action="store_true", help="FeatCal leaves the pooler as merged")

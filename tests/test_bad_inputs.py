@@ -422,6 +422,28 @@ def test_tune_stage_refuses_n_trials_below_one(tmp_path):
     assert done.returncode == 2 and "--n-trials" in done.stderr
 
 
+def test_tune_anchor_refuses_zero_trials_instead_of_running_the_default_study(tmp_path):
+    """`--n-trials 0` used to read as "not given": a full 24-trial study, test read once."""
+    done = subprocess.run([sys.executable, str(ROOT / "stages/tune_anchor.py"), "task_arithmetic", "--n-trials", "0"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--n-trials: expected an integer >= 1, got 0" in done.stderr, done.stderr
+    assert not list(tmp_path.iterdir())   # nothing merged, no study
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"alpha": "0.3"}, "featcal.alpha must be a number, got '0.3' (str)"),
+    ({"ridge": True}, "featcal.ridge must be a number, got True (bool)"),
+    ({"calibrate_pooler": "yes"}, "featcal.calibrate_pooler must be true or false, got 'yes'"),
+    ({"layer_overrides": {1: {"rho": "2"}}}, "featcal.layer_overrides[1].rho must be a number, got '2'"),
+])
+def test_featcal_config_names_a_value_of_the_wrong_type(kwargs, says):
+    """Through the Python API (`FeatCalConfig(alpha='0.3')` raised a TypeError naming no key)."""
+    from featcal import FeatCalConfig
+
+    with pytest.raises(TypeError, match=re.escape(says)):
+        FeatCalConfig(**kwargs)
+
+
 def test_tune_stage_refuses_a_password_in_tune_storage_before_loading_anything(tiny, tmp_path):
     params = copy.deepcopy(tiny.params)                       # no models/, experts/ here: nothing is loaded
     params["tune"]["storage"] = "postgresql://me:s3cret@db.example/featcal"

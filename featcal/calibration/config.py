@@ -30,7 +30,11 @@ class LayerHyper:
 
 
 def check_hyper(hyper: LayerHyper, where: str) -> None:
-    """α in [0, 1], ρ > 0, λ >= 0, all finite: the ranges FeatCal's formulas are meant for."""
+    """α in [0, 1], ρ > 0, λ >= 0, all finite real numbers: the ranges FeatCal's formulas are meant for."""
+    for key in HYPER_KEYS:
+        value = getattr(hyper, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where}.{key} must be a number, got {value!r} ({type(value).__name__})")
     if not 0.0 <= hyper.alpha <= 1.0:
         raise ValueError(f"{where}.alpha must be in [0, 1], got {hyper.alpha}")
     if not (hyper.rho > 0 and math.isfinite(hyper.rho)):
@@ -76,6 +80,11 @@ class FeatCalConfig:
 
     def __post_init__(self) -> None:
         check_hyper(LayerHyper(self.alpha, self.rho, self.ridge), "featcal")
+        for key in ("calibrate_bias", "calibrate_norms", "calibrate_pooler"):
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(f"featcal.{key} must be true or false, got {getattr(self, key)!r}")
+        if isinstance(self.pooled_token_weight, bool) or not isinstance(self.pooled_token_weight, (int, float)):
+            raise TypeError(f"featcal.pooled_token_weight must be a number, got {self.pooled_token_weight!r}")
         check_device_name(self.device)
         if self.product_dtype not in PRODUCT_DTYPES:
             raise ValueError(f"featcal.product_dtype must be one of {sorted(PRODUCT_DTYPES)}, got {self.product_dtype!r}")
@@ -86,6 +95,9 @@ class FeatCalConfig:
             bad = set(values) - set(HYPER_KEYS)
             if bad:
                 raise ValueError(f"featcal.layer_overrides[{layer}]: unknown keys {sorted(bad)}; allowed {HYPER_KEYS}")
+            for key, value in values.items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"featcal.layer_overrides[{layer}].{key} must be a number, got {value!r}")
             overrides[int(layer)] = dict(values)
         self.layer_overrides = overrides
         for layer in overrides:
@@ -104,6 +116,14 @@ class FeatCalConfig:
     @property
     def products(self) -> torch.dtype:
         return PRODUCT_DTYPES[self.product_dtype]
+
+    def check_layers(self, n_layers: int) -> None:
+        """`layer_overrides` name layers the model has (0 .. n_layers − 1; the pooler, where calibrated,
+        is layer n_blocks): an override of a missing layer would otherwise be ignored silently."""
+        missing = sorted(k for k in self.layer_overrides if not 0 <= k < n_layers)
+        if missing:
+            raise ValueError(f"featcal.layer_overrides: no layer {missing[0]} in this model; its layers are "
+                             f"0..{n_layers - 1}")
 
     def for_layer(self, index: int) -> LayerHyper:
         values = {"alpha": self.alpha, "rho": self.rho, "ridge": self.ridge}

@@ -235,7 +235,8 @@ def fit_lambda(
     blocks = tuple(family.block_prefix(like, i) for i in range(len(family.blocks(like))))
     outer = [name for name in names if not name.startswith(blocks)]
     outer_base, outer_taus = vectors.read(outer)
-    device = next(like.parameters()).device   # λ lives where the models do
+    # λ lives where the task vectors do (`like` may be a meta-device skeleton: the lazy merge)
+    device = next(iter(outer_base.values())).device if outer_base else next(like.parameters()).device
     lam = torch.full((len(names), len(tasks)), float(opts.init), dtype=torch.float32, device=device, requires_grad=True)
     optimizer = torch.optim.Adam([lam], lr=opts.lr, betas=(0.9, 0.999), weight_decay=0.0)
     models = {t: m.eval() for t, m in models.items()}
