@@ -444,6 +444,38 @@ def test_featcal_config_names_a_value_of_the_wrong_type(kwargs, says):
         FeatCalConfig(**kwargs)
 
 
+def test_calibrate_refuses_an_override_of_a_missing_layer_and_raw_text_batches_and_warns_of_unmasked_padding(caplog):
+    """Through the Python API: `layer_overrides` for a block the model lacks was ignored; batches of
+    raw strings raised an AttributeError; padded batches without an attention mask were calibrated
+    on their pad positions without a word."""
+    from conftest import batches_for, perturbed
+    from featcal import FeatCalConfig, calibrate
+
+    base = tiny_bert(layers=2)
+    experts = {t: perturbed(base, i + 1, scale=0.01) for i, t in enumerate("ab")}
+    merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
+    batches = batches_for(experts)
+    with pytest.raises(ValueError, match=r"featcal.layer_overrides: no layer 2 in this model; its calibrated layers are 0..1"):
+        calibrate(merged, base, experts, batches, FeatCalConfig(layer_overrides={2: {"alpha": 0.5}}), progress=False)
+    with pytest.raises(ValueError, match=r"no layer 3 in this model; its calibrated layers are 0..2"):   # 2: the pooler
+        calibrate(merged, base, experts, batches, FeatCalConfig(calibrate_pooler=True, layer_overrides={3: {"rho": 1.0}}),
+                  progress=False)
+    with pytest.raises(TypeError, match=r"calibration batches\['a'\]\[0\] is a list, not a tokenised batch"):
+        calibrate(merged, base, experts, {"a": [["some text", "more text"]], "b": batches["b"]}, progress=False)
+    pad = merged.config.pad_token_id
+    unmasked = {t: [{"input_ids": torch.where(b["attention_mask"].bool(), b["input_ids"], pad)} for b in bs]
+                for t, bs in batches.items()}
+    for t in unmasked:
+        unmasked[t][0]["input_ids"][0, -2:] = pad    # padding the mask would have hidden
+    with caplog.at_level("WARNING"):
+        calibrate(merged, base, experts, unmasked, progress=False)
+    assert "calibration batches['a'][0] holds padding (token id 0) but no attention_mask" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        calibrate(merged, base, experts, batches, progress=False)   # masked batches: no warning
+    assert "holds padding" not in caplog.text
+
+
 def test_tune_stage_refuses_a_password_in_tune_storage_before_loading_anything(tiny, tmp_path):
     params = copy.deepcopy(tiny.params)                       # no models/, experts/ here: nothing is loaded
     params["tune"]["storage"] = "postgresql://me:s3cret@db.example/featcal"

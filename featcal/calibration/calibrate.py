@@ -417,7 +417,23 @@ def student_backbone(family: Family, merged: nn.Module, inplace: bool) -> nn.Mod
     return (student if inplace else copy.deepcopy(student)).eval()
 
 
-def check_tasks(batches: Mapping, experts: Mapping) -> None:
+def check_tasks(batches: Mapping, experts: Mapping, model: nn.Module | None = None) -> None:
+    """Every task has an expert and its batches are tokenised (mappings of tensors). Padded batches
+    without an attention mask (padding: `model`'s pad token id) get a warning: their pad positions
+    would be calibrated on as if they were tokens."""
+    pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
     missing = set(batches) - set(experts)
     if missing:
         raise KeyError(f"calibration data for tasks without an expert: {sorted(missing)}")
+    for task, task_batches in batches.items():
+        for i, batch in enumerate(task_batches):
+            if not isinstance(batch, Mapping) or not all(isinstance(v, Tensor) for v in batch.values()):
+                raise TypeError(f"calibration batches[{task!r}][{i}] is a {type(batch).__name__}, not a tokenised "
+                                "batch (a mapping of tensors: input_ids, attention_mask, ...): tokenise the texts "
+                                "first, e.g. featcal.data.splits.encode_batches or the model's tokenizer")
+            ids = batch.get("input_ids")
+            if pad_token_id is not None and ids is not None and "attention_mask" not in batch \
+                    and bool((ids == pad_token_id).any()):
+                log.warning("calibration batches[%r][%d] holds padding (token id %d) but no attention_mask: its pad "
+                            "positions are calibrated on as if they were tokens; pass the tokenizer's attention_mask",
+                            task, i, pad_token_id)

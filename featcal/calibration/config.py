@@ -118,12 +118,12 @@ class FeatCalConfig:
         return PRODUCT_DTYPES[self.product_dtype]
 
     def check_layers(self, n_layers: int) -> None:
-        """`layer_overrides` name layers the model has (0 .. n_layers − 1; the pooler, where calibrated,
-        is layer n_blocks): an override of a missing layer would otherwise be ignored silently."""
+        """`layer_overrides` name layers the model has (its blocks 0 .. n − 1 and, where calibrated, the
+        pooler as layer n): an override of a missing layer would otherwise be ignored silently."""
         missing = sorted(k for k in self.layer_overrides if not 0 <= k < n_layers)
         if missing:
-            raise ValueError(f"featcal.layer_overrides: no layer {missing[0]} in this model; its layers are "
-                             f"0..{n_layers - 1}")
+            raise ValueError(f"featcal.layer_overrides: no layer {missing[0]} in this model; its calibrated layers "
+                             f"are 0..{n_layers - 1} (the blocks, then the pooler where calibrate_pooler is set)")
 
     def for_layer(self, index: int) -> LayerHyper:
         values = {"alpha": self.alpha, "rho": self.rho, "ridge": self.ridge}

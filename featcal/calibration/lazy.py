@@ -113,7 +113,7 @@ def calibrate_lazy(
     experts loaded whole.
     """
     family = family or family_for(merged)
-    check_tasks(batches, expert_dirs)
+    check_tasks(batches, expert_dirs, family.backbone(merged))
     student = student_backbone(family, merged, inplace)
     weights = LazyWeights(family, student, base_dir, {t: expert_dirs[t] for t in batches})
     result = walk_all(family, student, weights, batches, config or FeatCalConfig(), progress=progress,

@@ -235,6 +235,8 @@ def walk(
     stop = n_blocks if stop is None else stop
     if not 0 <= start < stop <= n_blocks:
         raise ValueError(f"blocks {start}..{stop - 1}: the model has blocks 0..{n_blocks - 1}")
+    pooled = config.calibrate_pooler and family.pooler(student) is not None
+    config.check_layers(n_blocks + pooled)   # an override of a layer the model lacks is an error
     out = WalkResult(student=student_in)
     for index in tqdm(range(start, stop), desc=desc, unit="layer", disable=not progress):
         with weights.block(index) as (base_bb, expert_bbs):
@@ -346,7 +348,7 @@ def calibrate(
     For experts read one layer at a time from safetensors files, see `featcal.calibration.lazy.calibrate_lazy`.
     """
     family = family or family_for(merged)
-    check_tasks(batches, experts)
+    check_tasks(batches, experts, family.backbone(merged))
     student = student_backbone(family, merged, inplace)
     weights = ModuleWeights(family.backbone(base).eval(), {t: family.backbone(m).eval() for t, m in experts.items()})
     result = walk_all(family, student, weights, batches, config or FeatCalConfig(), progress=progress,
