@@ -51,11 +51,12 @@ MPNET_DVC := cd mpnet && $(CURDIR)/$(PY) ../stages/with_warm_stages.py $(CURDIR)
 
 repro-mpnet: setup-mpnet
 	cd mpnet && $(CURDIR)/$(PY) ../stages/gen_chain.py
+	cd mpnet && $(CURDIR)/$(PY) ../stages/exp.py --check
 	$(MPNET_DVC) repro
 
 exp-mpnet: setup-mpnet
 	@test -n "$(SET)" || { echo "usage: make exp-mpnet SET=featcal.alpha=0.5  (any mpnet/params.yaml key)" >&2; exit 2; }
-	$(MPNET_DVC) exp run $(foreach s,$(SET),-S '$(s)')
+	cd mpnet && $(CURDIR)/$(PY) ../stages/exp.py --dvc $(CURDIR)/.venv/bin/dvc
 
 # Two pytest-xdist workers, one per core of the target machine; the tiny DVC project builds once.
 TEST_WORKERS ?= 2
@@ -68,13 +69,17 @@ test: setup
 # torch & co. (a plain `dvc repro` works as well, each stage importing them itself).
 repro: setup
 	$(PY) stages/gen_chain.py
+	$(PY) stages/exp.py --check
 	$(PY) stages/with_warm_stages.py .venv/bin/dvc repro
 
 # An experiment on the demo (after `make repro`): make exp SET=featcal.alpha=0.5 (any params key;
-# several: SET="featcal.alpha=0.5 featcal.rho=1.5"). Only the stages that depend on them re-run.
+# several: SET="featcal.alpha=0.5 featcal.rho=1.5"; a value may hold spaces inside braces:
+# SET='merge.options={scale: 0.5}'). Only the stages that depend on them re-run. stages/exp.py checks
+# the params with the settings applied before DVC runs anything: a refused value changes nothing.
+# (make passes SET to the recipe's environment unsplit.)
 exp: setup
 	@test -n "$(SET)" || { echo "usage: make exp SET=featcal.alpha=0.5  (any params.yaml key)" >&2; exit 2; }
-	$(PY) stages/with_warm_stages.py .venv/bin/dvc exp run $(foreach s,$(SET),-S '$(s)')
+	$(PY) stages/exp.py --dvc .venv/bin/dvc
 
 # The paper's configuration as an experiment next to the dev-chosen default run: Task Arithmetic
 # (s 0.3) + FeatCal at the spec's defaults (α 0.25, ρ 2.2, λ 0.05, pooler as merged). `~` drops the

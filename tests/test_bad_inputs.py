@@ -553,6 +553,32 @@ def test_dvc_exp_run_set_non_number_alpha_fails_naming_the_key(project):
     assert (project / "dvc.lock").read_text() == lock
 
 
+def workspace_digest(project: Path) -> dict[str, str]:
+    """Every file of the project outside .git and DVC's own folder, by content hash."""
+    import hashlib
+
+    return {str(p.relative_to(project)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(project.rglob("*"))
+            if p.is_file() and not p.is_symlink() and not {".git", ".dvc"} & set(p.relative_to(project).parts)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, says", [
+    # a new task without regenerating stages/chain.yaml: `dvc exp run` removed data/tasks before refusing
+    ("+tasks.extra={source: 'file:nowhere.csv'}", "stages/chain.yaml"),
+    ("tune.storage=postgresql://u:secret@host/db", "the URL holds a password"),   # no stage reads it: never checked
+    ("featcal.alpha=abc", "featcal.alpha = 'abc'"),
+])
+def test_a_refused_make_exp_leaves_the_workspace_as_it_was(project, setting, says):
+    """`make exp SET=...` (stages/exp.py) checks the params with the setting applied before DVC runs."""
+    before = workspace_digest(project)
+    done = subprocess.run([sys.executable, "stages/exp.py", "--dvc", str(Path(sys.executable).parent / "dvc")], cwd=project,
+                          env=dict(os.environ, SET=setting), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "exp: refused, nothing changed" in done.stderr and says in done.stderr, done.stderr
+    assert "secret" not in done.stderr
+    assert workspace_digest(project) == before
+    assert "Running stage" not in done.stdout + done.stderr
+
+
 @pytest.mark.slow
 def test_dvc_repro_after_a_new_task_without_gen_chain_fails_before_any_stage_runs(project):
     lock = (project / "dvc.lock").read_text()
