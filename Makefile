@@ -90,9 +90,14 @@ SPEC_DEFAULTS := merge.method=task_arithmetic ~merge.options +merge.options={sca
 exp-spec:
 	$(MAKE) --no-print-directory exp SET="$(SPEC_DEFAULTS)"
 
-# Each experiment's changed params and metrics side by side.
+# Each experiment's changed params and accuracy metrics side by side (timings are outputs, not
+# metrics: `make timings` lists the last run's).
 metrics: setup
 	.venv/bin/dvc exp show --no-pager --only-changed --md
+
+.PHONY: timings
+timings: setup
+	$(PY) stages/timings.py results/timing.json
 
 # Benchmarks (not tests): side-by-side measurements on the demo; needs `make repro` first.
 # alpha_rerun.py runs `dvc exp run -S featcal.alpha=0.5` and restores the workspace afterwards;

@@ -22,6 +22,21 @@ from featcal.io.models import load_backbone, save_multitask, with_parameters_fro
 from featcal.evaluation.plots import plot_drift
 
 
+def own_timings(params: dict, tasks: list[str], layers: list[str]) -> dict:
+    """results/timing/*.json of this project's stages only: its tasks' fine-tunes, its calibrated
+    layers, tune where tuned values are used, and the single stages (timing files of another
+    project's stages, e.g. the demo's committed ones in a project that brings its own tasks, are left out)."""
+    wanted = {f"finetune@{t}" for t in tasks} | {f"calibrate-layer@{k}" for k in layers}
+    if (params.get("featcal") or {}).get("use_tuned"):
+        wanted.add("tune")
+    out = {}
+    for path in sorted(glob.glob(f"{TIMING_DIR}/*.json")):
+        stage = Path(path).stem
+        if stage in wanted or ("@" not in stage and stage != "tune"):
+            out[stage] = read_json(path)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--merged", required=True, help="the merged multi-task model folder")
@@ -59,8 +74,7 @@ def main() -> None:
         rows = drift_rows([LayerDrift(**d) for d in merged["drift"]], drift)
         write_json(args.drift, rows)
         plot_drift(rows, args.drift_plot)
-    timing = {f.split("/")[-1][:-5]: read_json(f) for f in sorted(glob.glob(f"{TIMING_DIR}/*.json"))}
-    write_json(TIMING_DIR.parent / "timing.json", timing)
+    write_json(TIMING_DIR.parent / "timing.json", own_timings(params, tasks, [Path(f).stem for f in layer_files]))
     print(json.dumps(metrics, indent=2))
 
 

@@ -359,3 +359,20 @@ def test_stages_under_torchrun_give_the_one_process_weights_in_float64(project, 
     assert all(v.dtype == torch.float64 for v in one.values()) and all(v.dtype == torch.float64 for v in two.values())
     for name in one:
         assert torch.allclose(two[name], one[name], rtol=1e-9, atol=1e-9), name
+
+
+def test_results_timing_lists_only_this_projects_stages(tmp_path, monkeypatch):
+    """A project that brings its own tasks keeps the demo's committed timing files in results/timing/;
+    results/timing.json lists only its own stages (and tune only where tuned values are used)."""
+    sys.path.insert(0, str(ROOT / "stages"))
+    import evaluate as evaluate_stage   # stages/evaluate.py
+
+    timing = tmp_path / "results/timing"
+    timing.mkdir(parents=True)
+    for stage in ("finetune@bbc", "finetune@reviews", "calibrate-layer@L00", "calibrate-layer@L05", "merge",
+                  "evaluate", "tune"):
+        (timing / f"{stage}.json").write_text(json.dumps({"stage": stage, "wall_s": 1.0, "peak_rss_mib": 2.0}))
+    monkeypatch.chdir(tmp_path)
+    own = evaluate_stage.own_timings({"featcal": {"use_tuned": False}}, ["reviews"], ["L00"])
+    assert set(own) == {"finetune@reviews", "calibrate-layer@L00", "merge", "evaluate"}
+    assert "tune" in evaluate_stage.own_timings({"featcal": {"use_tuned": True}}, ["reviews"], ["L00"])
