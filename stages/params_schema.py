@@ -1,27 +1,35 @@
-"""The typed schema of params.yaml: every section, key, type and range, checked before any model loads.
+"""The typed schema of params.yaml (pydantic models), checked before any model loads, and its JSON Schema.
 
 `validate(raw, root)` turns the parsed YAML (including what `dvc exp run -S` set) into `Params`
-or raises `ParamsError` naming the key, the value found and what is allowed. Unknown keys are
-refused in every section with the closest known key suggested, because a typo must never fall
-back to a default silently. Cross-section checks follow: task and layer keys name existing
-tasks and blocks of the base model, the base and every given expert are of a supported model
-type (the same one), no URL carries a password (params end up in dvc.lock), and, for a DVC
-stage, `stages/chain.yaml` was generated from these params (else: run `python stages/gen_chain.py`).
+or raises `ParamsError` naming the key, the value found and what is allowed. Each section is a
+pydantic model that refuses unknown keys, with the closest known key suggested, because a typo
+must never fall back to a default silently; its fields are strict (the string '0.3' is no number,
+true no integer) and carry their ranges. Cross-section checks follow, as plain functions on the
+validated `Params`: task and layer keys name existing tasks and blocks of the base model, the base
+and every given expert are of a supported model type (the same one), no URL carries a password
+(params end up in dvc.lock), and, for a DVC stage, `stages/chain.yaml` was generated from these
+params (else: run `python stages/gen_chain.py`).
+
+`python stages/params_schema.py --json-schema` prints the JSON Schema of params.yaml, committed as
+`stages/params.schema.json` for editors (docs/reliability.md).
 """
 
-from __future__ import annotations
-
+import argparse
 import difflib
-import math
+import json
 import re
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Annotated, Any, Literal, Mapping, Optional
 
 import yaml
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainValidator, TypeAdapter,
+                      ValidationError, WithJsonSchema, WrapValidator, create_model, model_validator)
+from pydantic_core import PydanticCustomError
 
 from featcal.calibration.config import check_device_name
 from featcal.calibration.moments import PRODUCT_DTYPES
+from featcal.data.spec import TaskSpec
 from featcal.io.feature_store import COMPRESSORS, STORAGE_DTYPES
 
 CHAIN_FILE = "stages/chain.yaml"
@@ -37,13 +45,10 @@ class ParamsError(ValueError):
     """A params value that is missing, unknown, of the wrong type or out of range."""
 
 
-Parser = Callable[[Any, str], Any]
+# --- the wording of every error ------------------------------------------------------------------------
 
 
-# --- value parsers: each takes (value, dotted key) and returns the checked value --------------------
-
-
-def _closest(key: str, known) -> str:
+def _closest(key, known) -> str:
     match = difflib.get_close_matches(str(key), [str(k) for k in known], n=1, cutoff=0.6)
     return f" (did you mean {match[0]!r}?)" if match else ""
 
@@ -55,330 +60,367 @@ def unknown_key(where: str, key, known, what: str = "key") -> ParamsError:
     return ParamsError(f"{place}: unknown {what} {str(key)!r}{_closest(key, known)}; known {what}s: {listed}")
 
 
-def integer(low: int | None = None, high: int | None = None) -> Parser:
-    def parse(value, where: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ParamsError(f"{where} = {value!r}: expected an integer{_range_text(low, high)}")
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise ParamsError(f"{where} = {value!r}: expected an integer{_range_text(low, high)}")
-        return value
-    return parse
-
-
-def real(low: float | None = None, high: float | None = None, *, low_open: bool = False) -> Parser:
-    def parse(value, where: str) -> float:
-        allowed = f"a finite number{_range_text(low, high, low_open)}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ParamsError(f"{where} = {value!r}: expected {allowed}")
-        below = value <= low if (low is not None and low_open) else (low is not None and value < low)
-        if below or (high is not None and value > high):
-            raise ParamsError(f"{where} = {value!r}: expected {allowed}")
-        return float(value)
-    return parse
-
-
 def _range_text(low, high, low_open: bool = False) -> str:
     if low is not None and high is not None:
         return f" in {'(' if low_open else '['}{low}, {high}]"
-    if low is not None:
-        return f" {'>' if low_open else '>='} {low}"
-    if high is not None:
-        return f" <= {high}"
-    return ""
+    return f" {'>' if low_open else '>='} {low}" if low is not None else f" <= {high}" if high is not None else ""
 
 
-def boolean(value, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ParamsError(f"{where} = {value!r}: expected true or false")
-    return value
+def _bad(text: str, kind: str = "params", **ctx) -> PydanticCustomError:
+    """A bad value, said as `KEY = VALUE: text` (ctx `value`: the value to show, if not the one given),
+    or, of kind "said", an error said in full by the check that found it."""
+    return PydanticCustomError(kind, "{text}", {"text": text, **ctx})
 
 
-def text(value, where: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise ParamsError(f"{where} = {value!r}: expected a non-empty string")
-    return value
+def _dotted(raw, loc: tuple, where: str = "") -> str:
+    """The dotted key of a pydantic error location: `a.b.c`, list items as `a[0]` (told apart in `raw`)."""
+    node = raw
+    for part in loc:
+        if isinstance(part, int) and isinstance(node, (list, tuple)):
+            where += f"[{part}]"
+        else:
+            where = f"{where}.{part}" if where else str(part)
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            node = None
+    return where
 
 
-def optional(parse: Parser) -> Parser:
-    return lambda value, where: None if value is None else parse(value, where)
+def _params_error(err: ValidationError, raw, where: str = "") -> ParamsError:
+    """pydantic's first error in today's words: the dotted key, the value found, what is allowed."""
+    first = err.errors(include_url=False)[0]
+    kind, ctx, place = first["type"], first.get("ctx") or {}, _dotted(raw, first["loc"], where)
+    if kind == "unknown_key":
+        return unknown_key(place, ctx["key"], ctx["known"])
+    if kind == "missing":
+        return ParamsError(f"{place}: missing; it is required")
+    if kind == "said":
+        return ParamsError(ctx["text"])
+    text = ctx["text"] if kind == "params" else first["msg"]
+    return ParamsError(f"{place} = {ctx.get('value', first['input'])!r}: {text}")
 
 
-def one_of(*choices: str) -> Parser:
-    def parse(value, where: str) -> str:
-        if value not in choices:
-            raise ParamsError(f"{where} = {value!r}: expected one of {', '.join(choices)}{_closest(value, choices)}")
-        return value
-    return parse
-
-
-def device_name(value, where: str) -> str:
-    """auto | cpu | cuda | cuda:N (whether CUDA is present is checked where calibration runs)."""
+def _validated(kind, value, where: str = ""):
+    """`value` checked as `kind` (a model or an annotated type), or the ParamsError naming `where`."""
     try:
-        check_device_name(text(value, where))
-    except ValueError as exc:
-        raise ParamsError(f"{where} = {value!r}: expected auto, cpu, cuda or cuda:N") from exc
-    return value
+        return TypeAdapter(kind).validate_python(value)
+    except ValidationError as err:
+        raise _params_error(err, value, where) from None
 
 
-def list_of(item: Parser, min_len: int = 0) -> Parser:
-    def parse(value, where: str) -> list:
-        if value is None:
-            value = []
-        if not isinstance(value, (list, tuple)) or len(value) < min_len:
-            raise ParamsError(f"{where} = {value!r}: expected a list" + (f" of at least {min_len} items" if min_len else ""))
-        return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    return parse
+# --- the value types: pydantic's constraints, today's messages ------------------------------------------
 
 
-def mapping(value, where: str) -> dict:
+def _says(allowed):
+    """Any pydantic error of the wrapped type becomes `expected ...` (`allowed`: the text or value -> text)."""
+    def wrap(value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise _bad(allowed(value) if callable(allowed) else allowed) from None
+    return WrapValidator(wrap)
+
+
+def integer(low: int | None = None, high: int | None = None):
+    return Annotated[int, Field(strict=True, ge=low, le=high), _says(f"expected an integer{_range_text(low, high)}")]
+
+
+def real(low: float | None = None, high: float | None = None, *, low_open: bool = False):
+    bounds = {"gt": low} if low_open else {"ge": low}
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, le=high, **bounds),
+                     _says(f"expected a finite number{_range_text(low, high, low_open)}")]
+
+
+def one_of(*choices: str):
+    return Annotated[Literal[choices], _says(lambda v: f"expected one of {', '.join(choices)}{_closest(v, choices)}")]
+
+
+def _mapping(value) -> dict:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ParamsError(f"{where} = {value!r}: expected a mapping of keys")
+        raise _bad("expected a mapping of keys")
     return dict(value)
 
 
-def mapping_of(item: Parser) -> Parser:
-    def parse(value, where: str) -> dict:
-        return {key: item(v, f"{where}.{key}") for key, v in mapping(value, where).items()}
-    return parse
+def mapping_of(item=Any):
+    """A mapping (null: empty) of `item`s; its keys are checked where they must name tasks or blocks."""
+    return Annotated[dict[Any, item], BeforeValidator(_mapping)]
 
 
-def section(cls: type) -> Parser:
-    """Parse a mapping into the dataclass `cls`; each field's metadata holds its parser."""
-    def parse(value, where: str):
-        raw = mapping(value, where)
-        known = {f.name: f for f in fields(cls)}
-        for key in raw:
-            if key not in known:
-                raise unknown_key(where, key, known)
-        values = {}
-        for name, f in known.items():
-            place = f"{where}.{name}" if where else name
-            if name in raw:
-                values[name] = f.metadata["parse"](raw[name], place)
-            elif f.default is MISSING and f.default_factory is MISSING:
-                raise ParamsError(f"{place}: missing; it is required")
-        return cls(**values)
-    return parse
+def list_of(item, min_len: int = 0):
+    def check(value) -> list:
+        shown = [] if value is None else value
+        if not isinstance(shown, (list, tuple)) or len(shown) < min_len:
+            raise _bad("expected a list" + (f" of at least {min_len} items" if min_len else ""), value=shown)
+        return list(shown)
+    return Annotated[list[item], Field(min_length=min_len or None), BeforeValidator(check)]
 
 
-def subset_of(cls: type, exclude: tuple[str, ...] = ()) -> Parser:
-    """A mapping of some of `cls`'s keys (per-task or per-layer overrides), each parsed as in `cls`."""
-    known = {f.name: f for f in fields(cls) if f.name not in exclude}
-
-    def parse(value, where: str) -> dict:
-        raw = mapping(value, where)
-        for key in raw:
-            if key not in known:
-                raise unknown_key(where, key, known)
-        return {k: known[k].metadata["parse"](v, f"{where}.{k}") for k, v in raw.items()}
-    return parse
+def _holds(test, text: str) -> AfterValidator:
+    """A check after the type's: `test(value)`, else the error `KEY = VALUE: text`."""
+    def check(value):
+        if not test(value):
+            raise _bad(text)
+        return value
+    return AfterValidator(check)
 
 
-def knob(parse: Parser, default: Any = MISSING, factory: Callable | None = None):
-    """A dataclass field that carries its parser."""
-    if factory is not None:
-        return field(default_factory=factory, metadata={"parse": parse})
-    return field(default=default, metadata={"parse": parse})
+Boolean = Annotated[bool, Field(strict=True), _says("expected true or false")]
+Text = Annotated[str, Field(strict=True, pattern=r"\S"), _says("expected a non-empty string")]
+OptionalText = Annotated[Optional[Annotated[str, Field(strict=True, pattern=r"\S")]], _says("expected a non-empty string")]
+PromptTemplate = Annotated[Text, _holds(lambda v: "{}" in v, 'a prompt template needs "{}" where the class name goes')]
+CRange = Annotated[list_of(real(0, 1), 2), Field(json_schema_extra={"maxItems": 2}),   # a SigMerge capacity pair
+                   _holds(lambda p: len(p) == 2 and p[0] <= p[1], "expected [c_min, c_max] with 0 <= c_min <= c_max <= 1")]
+Device = Annotated[str, Field(strict=True, json_schema_extra={"pattern": r"^(auto|cpu|cuda(:[0-9]+)?)$"}),
+                   AfterValidator(lambda v: check_device_name(v) or v),   # whether CUDA is present: where it runs
+                   _says("expected auto, cpu, cuda or cuda:N")]
 
 
-def nested(cls: type):
-    return knob(section(cls), factory=cls)
+# --- the sections --------------------------------------------------------------------------------------
 
 
-# --- the sections ----------------------------------------------------------------------------------
+class _ClassDefaults(type(BaseModel)):
+    """`Tune.study_name` on the class is the field's default, as it was on the dataclasses (stages/tune.py)."""
+
+    def __getattr__(cls, name: str):
+        found = cls.__dict__.get("__pydantic_fields__", {}).get(name)
+        if found is None or found.is_required():
+            return super().__getattr__(name)
+        return found.get_default(call_default_factory=True)
 
 
-def prompt_template(value, where: str) -> str:
-    if "{}" not in text(value, where):
-        raise ParamsError(f'{where} = {value!r}: a prompt template needs "{{}}" where the class name goes')
-    return value
+class Section(BaseModel, metaclass=_ClassDefaults):
+    """A params section: a mapping (null: all defaults) of known keys only."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value):
+        value = _mapping(value)
+        for key in value:   # refused before any value is read, with the closest known key
+            if key not in cls.model_fields:
+                raise PydanticCustomError("unknown_key", "unknown key", {"key": key, "known": list(cls.model_fields)})
+        return value
 
 
-@dataclass(frozen=True)
-class ZeroShot:
-    text_model: str | None = knob(optional(text), None)
-    templates: list = knob(list_of(prompt_template, 1), factory=lambda: ["a photo of a {}."])
+def _no_default(schema: dict) -> None:
+    schema.pop("default", None)
 
 
-@dataclass(frozen=True)
-class Model:
-    base: str = knob(text)
-    zero_shot: ZeroShot = nested(ZeroShot)
+def given_keys(model: type[Section], names: tuple[str, ...] | None = None):
+    """Some of `model`'s keys (per-task, per-layer overrides), each checked as there; validates to the
+    dict of the keys given."""
+    names = names or tuple(model.model_fields)
+    sub = create_model(f"{model.__name__}Overrides", __base__=Section, __doc__=f"Some of {model.__name__}'s keys.",
+                       **{name: (model.model_fields[name].rebuild_annotation(),
+                                 Field(None, json_schema_extra=_no_default)) for name in names})
+    return Annotated[sub, AfterValidator(lambda found: found.model_dump(exclude_unset=True))]
 
 
-@dataclass(frozen=True)
-class Tokens:
-    max_length: int = knob(integer(1), 64)
-    per_task: dict = knob(mapping_of(integer(1)), factory=dict)
+class ZeroShot(Section):
+    """Zero-shot heads (CLIP vision-tower bases only)."""
+
+    text_model: OptionalText = None
+    templates: list_of(PromptTemplate, 1) = ["a photo of a {}."]
 
 
-@dataclass(frozen=True)
-class Finetune:
-    learning_rate: float = knob(real(0, low_open=True), 5e-5)
-    epochs: float = knob(real(0, low_open=True), 2.0)
-    batch_size: int = knob(integer(1), 32)
-    weight_decay: float = knob(real(0), 0.01)
-    warmup_ratio: float = knob(real(0, 1), 0.1)
-    overrides: dict = knob(lambda v, w: mapping_of(subset_of(Finetune, ("overrides",)))(v, w), factory=dict)
+class Model(Section):
+    base: Text
+    zero_shot: ZeroShot = Field(default_factory=ZeroShot)
 
 
-@dataclass(frozen=True)
-class Experts:
-    paths: dict = knob(mapping_of(text), factory=dict)
+class Tokens(Section):
+    max_length: integer(1) = 64
+    per_task: mapping_of(integer(1)) = {}
 
 
-@dataclass(frozen=True)
-class Merge:
-    method: str = knob(text, "task_arithmetic")
-    options: dict = knob(mapping, factory=dict)
+class FinetuneKnobs(Section):
+    learning_rate: real(0, low_open=True) = 5e-5
+    epochs: real(0, low_open=True) = 2.0
+    batch_size: integer(1) = 32
+    weight_decay: real(0) = 0.01
+    warmup_ratio: real(0, 1) = 0.1
 
 
-@dataclass(frozen=True)
-class Calibration:
-    examples_per_task: int = knob(integer(1), 128)
-    batch_size: int = knob(integer(1), 16)
+class Finetune(FinetuneKnobs):
+    overrides: mapping_of(given_keys(FinetuneKnobs)) = {}
 
 
-@dataclass(frozen=True)
-class FeatCal:
-    alpha: float = knob(real(0, 1), 0.25)
-    rho: float = knob(real(0, low_open=True), 2.2)
-    ridge: float = knob(real(0), 0.05)
-    pooled_token_weight: float = knob(real(0, 1), 0.01)
-    calibrate_bias: bool = knob(boolean, True)
-    calibrate_norms: bool = knob(boolean, True)
-    calibrate_pooler: bool = knob(boolean, False)
-    product_dtype: str = knob(one_of(*PRODUCT_DTYPES), "float32")
-    device: str = knob(device_name, "auto")
-    layer_overrides: dict = knob(lambda v, w: mapping_of(subset_of(FeatCal, tuple(
-        f.name for f in fields(FeatCal) if f.name not in HYPER_KEYS)))(v, w), factory=dict)
-    use_tuned: bool = knob(boolean, False)
+class Experts(Section):
+    paths: mapping_of(Text) = {}
 
 
-@dataclass(frozen=True)
-class SearchRange:
-    low: float = knob(real())
-    high: float = knob(real())
-    log: bool = knob(boolean, False)
+class Merge(Section):
+    method: Text = "task_arithmetic"
+    options: mapping_of() = {}
 
 
-def search_range(value, where: str) -> SearchRange:
+class Calibration(Section):
+    examples_per_task: integer(1) = 128
+    batch_size: integer(1) = 16
+
+
+class Hyper(Section):
+    """FeatCal's α, ρ, λ (HYPER_KEYS): tuned, searched, and set per block in layer_overrides."""
+
+    alpha: real(0, 1) = 0.25
+    rho: real(0, low_open=True) = 2.2
+    ridge: real(0) = 0.05
+
+
+class FeatCal(Hyper):
+    pooled_token_weight: real(0, 1) = 0.01
+    calibrate_bias: Boolean = True
+    calibrate_norms: Boolean = True
+    calibrate_pooler: Boolean = False
+    product_dtype: one_of(*PRODUCT_DTYPES) = "float32"
+    device: Device = "auto"
+    layer_overrides: mapping_of(given_keys(Hyper)) = {}
+    use_tuned: Boolean = False
+
+
+class SearchRange(Section):
+    low: real()
+    high: real()
+    log: Boolean = False
+
+
+def _search_range(value, handler) -> SearchRange:
     """[low, high] or {low, high, log}: low < high, and low > 0 on a log scale."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != 2:
-            raise ParamsError(f"{where} = {value!r}: expected [low, high] or {{low: .., high: .., log: true}}")
+    if isinstance(value, (list, tuple)) and len(value) == 2:
         value = {"low": value[0], "high": value[1]}
     elif not isinstance(value, Mapping):
-        raise ParamsError(f"{where} = {value!r}: expected [low, high] or {{low: .., high: .., log: true}}")
-    found = section(SearchRange)(value, where)
+        raise _bad("expected [low, high] or {low: .., high: .., log: true}")
+    found = handler(value)
     if not found.low < found.high:
-        raise ParamsError(f"{where} = {value!r}: low must be below high")
+        raise _bad("low must be below high", value=value)
     if found.log and found.low <= 0:
-        raise ParamsError(f"{where} = {value!r}: a log range needs low > 0")
+        raise _bad("a log range needs low > 0", value=value)
     return found
 
 
-@dataclass(frozen=True)
-class Tune:
-    n_trials: int = knob(integer(1), 24)
-    seed: int = knob(integer(0), 0)
-    study_name: str = knob(text, "featcal-dev")
-    storage: str | None = knob(optional(text), None)
-    startup_trials: int = knob(integer(0), 8)
-    enqueue_defaults: bool = knob(boolean, True)
-    search: dict = knob(mapping_of(search_range), factory=dict)
-    anchor_search: dict = knob(mapping_of(search_range), factory=dict)
-    prune_after_layers: list = knob(list_of(integer(0)), factory=list)
-    prune_startup_trials: int = knob(integer(0), 5)
+class _OrPair:
+    """JSON Schema: a search range may also be written [low, high]."""
+
+    def __get_pydantic_json_schema__(self, core_schema, handler) -> dict:
+        pair = {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2}
+        return {"anyOf": [pair, handler(core_schema)]}
 
 
-@dataclass(frozen=True)
-class Evaluate:
-    drift_examples_per_task: int = knob(integer(1), 128)
+Range = Annotated[SearchRange, WrapValidator(_search_range), _OrPair()]
 
 
-def c_range(value, where: str) -> list[float]:
-    """A SigMerge capacity pair [c_min, c_max] with 0 <= c_min <= c_max <= 1."""
-    pair = list_of(real(0, 1), 2)(value, where)
-    if len(pair) != 2 or pair[0] > pair[1]:
-        raise ParamsError(f"{where} = {value!r}: expected [c_min, c_max] with 0 <= c_min <= c_max <= 1")
-    return pair
+class Tune(Section):
+    n_trials: integer(1) = 24
+    seed: integer(0) = 0
+    study_name: Text = "featcal-dev"
+    storage: OptionalText = None
+    startup_trials: integer(0) = 8
+    enqueue_defaults: Boolean = True
+    search: mapping_of(Range) = {}   # keys: HYPER_KEYS, or KEY@BLOCK (search_key)
+    anchor_search: mapping_of(Range) = {}
+    prune_after_layers: list_of(integer(0)) = []
+    prune_startup_trials: integer(0) = 5
 
 
-@dataclass(frozen=True)
-class CompareSigmerge:
-    anchors: list = knob(list_of(text, 1), factory=lambda: ["task_arithmetic", "ties"])
-    grid: list = knob(list_of(c_range, 1), factory=lambda: [[0.02, 0.2]])
-    shared_examples_per_task: int = knob(integer(1), 16)
+class Evaluate(Section):
+    drift_examples_per_task: integer(1) = 128
 
 
-@dataclass(frozen=True)
-class Compare:
-    anchors: dict = knob(mapping_of(mapping), factory=dict)
-    examples_per_task: int = knob(integer(1), 128)
-    sample_sizes: list = knob(list_of(integer(1), 1), factory=lambda: [128])
-    corruptions: list = knob(list_of(text), factory=list)
-    corruption_rate: float = knob(real(0, 1), 0.2)
-    featcal: dict = knob(subset_of(FeatCal, tuple(f.name for f in fields(FeatCal) if f.name not in COMPARE_FEATCAL_KEYS)),
-                         factory=dict)
-    surgery: dict = knob(mapping, factory=dict)
-    probsurgery: dict = knob(mapping, factory=dict)
-    sigmerge: CompareSigmerge = nested(CompareSigmerge)
+class CompareSigmerge(Section):
+    anchors: list_of(Text, 1) = ["task_arithmetic", "ties"]
+    grid: list_of(CRange, 1) = [[0.02, 0.2]]   # SigMerge capacity pairs [c_min, c_max]
+    shared_examples_per_task: integer(1) = 16
 
 
-@dataclass(frozen=True)
-class Parallel:
-    nproc_per_node: int = knob(integer(1), 1)
+class Compare(Section):
+    anchors: mapping_of(mapping_of()) = {}
+    examples_per_task: integer(1) = 128
+    sample_sizes: list_of(integer(1), 1) = [128]
+    corruptions: list_of(Text) = []
+    corruption_rate: real(0, 1) = 0.2
+    featcal: given_keys(FeatCal, COMPARE_FEATCAL_KEYS) = {}
+    surgery: mapping_of() = {}
+    probsurgery: mapping_of() = {}
+    sigmerge: CompareSigmerge = Field(default_factory=CompareSigmerge)
 
 
-@dataclass(frozen=True)
-class Cache:
-    dtype: str = knob(one_of(*CACHE_DTYPES), "float32")
-    compressor: str = knob(one_of(*CACHE_COMPRESSORS), "zstd")
-    moments: bool = knob(boolean, False)
+class Parallel(Section):
+    nproc_per_node: integer(1) = 1
 
 
-def task_specs(value, where: str) -> dict:
-    """`tasks`: name -> featcal.data.tasks.TaskSpec (its own checks), at least one enabled."""
-    from featcal.data.spec import TaskSpec
+class Cache(Section):
+    dtype: one_of(*CACHE_DTYPES) = "float32"
+    compressor: one_of(*CACHE_COMPRESSORS) = "zstd"
+    moments: Boolean = False
 
-    raw = mapping(value, where)
+
+def task_specs(value) -> dict:
+    """`tasks`: name -> featcal.data.spec.TaskSpec (its own checks), at least one enabled."""
     specs = {}
-    for name, spec in raw.items():
+    for name, spec in _mapping(value).items():
         try:
             specs[str(name)] = TaskSpec.from_mapping(str(name), spec)
         except ValueError as err:
-            raise ParamsError(str(err)) from None
+            raise _bad(kind="said", text=str(err)) from None
     if not any(s.enabled for s in specs.values()):
-        raise ParamsError(f"{where}: no enabled task (found {sorted(specs) or 'none'}); at least one is needed")
+        raise _bad(kind="said", text=f"tasks: no enabled task (found {sorted(specs) or 'none'}); at least one is needed")
     return specs
 
 
-@dataclass(frozen=True)
-class Params:
+def _task_schema() -> dict:
+    schema = TypeAdapter(TaskSpec).json_schema()   # the name is the key in `tasks:`
+    del schema["properties"]["name"]
+    schema["required"].remove("name")
+    schema.update(additionalProperties=False, description="One task: its source and options (featcal.data.spec.TaskSpec).")
+    return {"type": "object", "additionalProperties": schema}
+
+
+Tasks = Annotated[dict, PlainValidator(task_specs), WithJsonSchema(_task_schema())]
+
+
+class Params(Section):
     """The whole params.yaml."""
 
-    model: Model = knob(section(Model))
-    tasks: dict = knob(task_specs)
-    seed: int = knob(integer(0), 0)
-    tasks_dir: str = knob(text, "data/tasks")
-    tokens: Tokens = nested(Tokens)
-    finetune: Finetune = nested(Finetune)
-    experts: Experts = nested(Experts)
-    merge: Merge = nested(Merge)
-    calibration: Calibration = nested(Calibration)
-    featcal: FeatCal = nested(FeatCal)
-    tune: Tune = nested(Tune)
-    evaluate: Evaluate = nested(Evaluate)
-    compare: Compare = nested(Compare)
-    parallel: Parallel = nested(Parallel)
-    cache: Cache = nested(Cache)
+    model: Model
+    tasks: Tasks
+    seed: integer(0) = 0
+    tasks_dir: Text = "data/tasks"
+    tokens: Tokens = Field(default_factory=Tokens)
+    finetune: Finetune = Field(default_factory=Finetune)
+    experts: Experts = Field(default_factory=Experts)
+    merge: Merge = Field(default_factory=Merge)
+    calibration: Calibration = Field(default_factory=Calibration)
+    featcal: FeatCal = Field(default_factory=FeatCal)
+    tune: Tune = Field(default_factory=Tune)
+    evaluate: Evaluate = Field(default_factory=Evaluate)
+    compare: Compare = Field(default_factory=Compare)
+    parallel: Parallel = Field(default_factory=Parallel)
+    cache: Cache = Field(default_factory=Cache)
 
     @property
     def enabled_tasks(self) -> list[str]:
         return [name for name, spec in self.tasks.items() if spec.enabled]
+
+
+class Tuned(Section):
+    """tune/best.yaml's featcal: α, ρ, λ, and the per-block values a KEY@BLOCK search writes."""
+
+    alpha: Hyper.model_fields["alpha"].rebuild_annotation()
+    rho: Hyper.model_fields["rho"].rebuild_annotation()
+    ridge: Hyper.model_fields["ridge"].rebuild_annotation()
+    layer_overrides: FeatCal.model_fields["layer_overrides"].rebuild_annotation() = {}
+
+    @model_validator(mode="before")   # runs before Section's: a missing α, ρ or λ is named first
+    @classmethod
+    def _required_first(cls, value):
+        for key in HYPER_KEYS:
+            if key not in _mapping(value):
+                raise _bad(kind="said", text=f"featcal.{key}: missing; it is required")
+        return value
 
 
 # --- checks across sections --------------------------------------------------------------------------
@@ -440,11 +482,10 @@ def search_key(key: str) -> tuple[str, int | None]:
 
 def check_search(params: Params) -> None:
     """Search ranges must lie where the hyperparameter is valid."""
-    allowed = {f.name: f.metadata["parse"] for f in fields(FeatCal) if f.name in HYPER_KEYS}
     for key, found in params.tune.search.items():
-        hyper = search_key(key)[0]
-        allowed[hyper](found.low, f"tune.search.{key}.low")
-        allowed[hyper](found.high, f"tune.search.{key}.high")
+        allowed = Hyper.model_fields[search_key(key)[0]].rebuild_annotation()
+        _validated(allowed, found.low, f"tune.search.{key}.low")
+        _validated(allowed, found.high, f"tune.search.{key}.high")
     if params.tune.anchor_search:   # merge.method's own options, searched per trial
         from featcal.merging import split_options
         from featcal.tuning.objective import AnchorSearch, Range
@@ -491,7 +532,7 @@ def check_compare(params: Params) -> None:
     from featcal.data.corrupt import CORRUPTIONS
 
     for i, kind in enumerate(params.compare.corruptions):
-        one_of(*CORRUPTIONS)(kind, f"compare.corruptions[{i}]")
+        _validated(one_of(*CORRUPTIONS), kind, f"compare.corruptions[{i}]")
     for key, cls in (("surgery", SurgeryConfig), ("probsurgery", ProbSurgeryConfig)):
         overrides = getattr(params.compare, key)
         known = [f.name for f in fields(cls) if f.name != "progress"]
@@ -624,7 +665,7 @@ def validate(raw: Any, root: str | Path = ".", *, chain: bool = False, models: b
     if not isinstance(raw, Mapping):
         raise ParamsError(f"expected a mapping of sections at the top, found {type(raw).__name__}")
     check_no_passwords(raw)
-    params = section(Params)(raw, "")
+    params = _validated(Params, raw)
     check_task_keys(params)
     check_search(params)
     check_merge(params)
@@ -642,12 +683,18 @@ def validate(raw: Any, root: str | Path = ".", *, chain: bool = False, models: b
 def validate_tuned(raw: Any) -> dict:
     """tune/best.yaml's `featcal: {alpha, rho, ridge}`, each in its allowed range, and the optional
     per-block `layer_overrides` a KEY@BLOCK search writes."""
-    values = mapping(mapping(raw, "").get("featcal"), "featcal")
-    parsers = {f.name: f.metadata["parse"] for f in fields(FeatCal) if f.name in (*HYPER_KEYS, "layer_overrides")}
-    for key in HYPER_KEYS:
-        if key not in values:
-            raise ParamsError(f"featcal.{key}: missing; it is required")
-    for key in values:
-        if key not in parsers:
-            raise unknown_key("featcal", key, parsers)
-    return {k: parsers[k](values[k], f"featcal.{k}") for k in values}
+    tuned = _validated(Tuned, _validated(mapping_of(), raw).get("featcal"), "featcal")   # `study`: the stage's record
+    return {key: getattr(tuned, key) for key in Tuned.model_fields if key in tuned.model_fields_set}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json-schema", action="store_true", help="print the JSON Schema of params.yaml")
+    args = parser.parse_args(argv)
+    if not args.json_schema:
+        parser.error("nothing to do: give --json-schema")
+    print(json.dumps(Params.model_json_schema(), indent=2, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    main()
