@@ -306,6 +306,27 @@ def test_checkpoint_with_nan_names_file_and_tensor(tmp_path):
         load_backbone(str(tmp_path / "expert"))
 
 
+def test_a_masked_lm_given_as_an_expert_is_refused_not_given_a_random_head(tmp_path, caplog, capfd):
+    """`experts.paths` naming a BertForMaskedLM: loaded as a classifier it got a random head and pooler
+    and was used as an expert. A base model fine-tuning starts from gets its new head said in one line,
+    without transformers' load report."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    classifier = tiny_bert_classifier()
+    BertForMaskedLM(BertConfig(**{k: v for k, v in classifier.config.to_dict().items()
+                                  if k in BertConfig().to_dict()})).save_pretrained(tmp_path / "mlm")
+    with pytest.raises(ValueError, match=r"mlm: not a fine-tuned BertForSequenceClassification: 4 of its tensors are "
+                                         r"not in the checkpoint \(bert.pooler.dense.bias, .*the checkpoint is a "
+                                         r"BertForMaskedLM\); an expert must hold its own trained head"):
+        load_classifier(str(tmp_path / "mlm"))
+    classifier.bert.save_pretrained(tmp_path / "base")   # a bare backbone: fine-tuning starts here
+    with caplog.at_level("INFO"):
+        model = load_classifier(str(tmp_path / "base"), num_labels=3)
+    assert model.config.num_labels == 3
+    assert "a new 3-label head (classifier.bias, classifier.weight not in the checkpoint" in caplog.text
+    assert "LOAD REPORT" not in capfd.readouterr().err   # transformers' own handler writes to stderr
+
+
 def test_missing_local_expert_path_is_not_a_hub_error(tmp_path):
     for ref in (str(tmp_path / "experts/gone"), "experts/gone"):
         with pytest.raises(FileNotFoundError, match=re.escape(repr(ref))) as err:

@@ -9,8 +9,10 @@ models `AutoModelForImageClassification`).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import warnings
@@ -145,13 +147,43 @@ def task_model_class(config) -> type:
     return AutoModelForImageClassification if is_image_model(config.model_type) else AutoModelForSequenceClassification
 
 
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' load report (a table of missing and unexpected tensors per load) held back:
+    the caller says in words what was expected and refuses what was not."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def load_classifier(ref: str, num_labels: int | None = None) -> nn.Module:
     """A sequence- or image-classification model; a new head is initialised when `num_labels` is
-    given. Non-finite weights are an error naming the file and the tensor."""
+    given (said in one line). Without `num_labels` the checkpoint must hold the whole task model: a
+    tensor it lacks (a masked-LM or bare checkpoint has no classification head) is an error naming
+    the checkpoint, never a random head. Non-finite weights are an error naming the file and the tensor."""
     kwargs = {} if num_labels is None else {"num_labels": num_labels}
     path = resolve_model_ref(ref)
-    task_class = task_model_class(AutoConfig.from_pretrained(path))
-    return checked_load(task_class.from_pretrained(path, **kwargs), path)
+    config = AutoConfig.from_pretrained(path)
+    task_class = task_model_class(config)
+    with quiet_loading():
+        model, info = task_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or ())
+    if missing and num_labels is None:
+        shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise ValueError(f"{ref}: not a fine-tuned {type(model).__name__}: {len(missing)} of its tensors are not in "
+                         f"the checkpoint ({shown}; the checkpoint is a {', '.join(config.architectures or ['?'])}); "
+                         "an expert must hold its own trained head")
+    if missing:
+        log.info("%s: a new %d-label head (%s not in the checkpoint, as expected of a base model)",
+                 ref, num_labels, ", ".join(missing))
+    return checked_load(model, path)
 
 
 # --- weights checked where they enter and leave ----------------------------------------------------------
