@@ -41,7 +41,7 @@ PRELOAD = ("numpy", "yaml", "torch", "torch.nn.functional", "safetensors.torch",
            "pandas", "tqdm", "optuna", "matplotlib.pyplot")
 # Environment variables read when those modules are imported: a stage whose values differ runs cold.
 IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_",
-                        "CUDA_", "PYTHON", "ZARR_", "NUMPY_", "ARROW_", "MPL")
+                        "CUDA_", "PYTHON", "ZARR_", "NUMPY_", "ARROW_", "MPL", "TQDM_")
 # ...except what torchrun sets for its workers, read when the process group starts, not at import.
 RUNTIME_ONLY_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 CHILD_KEY = "FEATCAL_WARM_CHILD"   # the pid of a served stage: it runs where it is, never asks again
@@ -53,8 +53,17 @@ STAGES_DIR = Path(__file__).resolve().parent
 _MAX_HEADER = 16 << 20
 
 
+def progress_defaults(terminal: bool) -> dict[str, str]:
+    """tqdm's refresh intervals (read when tqdm is imported): in place on a terminal; into a file or a
+    log (CI, a plain `dvc repro`'s captured output) at most every 30 s, so a bar is a few lines, not
+    one per step. The Makefile sets the same."""
+    return {"TQDM_MININTERVAL": "0.1", "TQDM_MAXINTERVAL": "10"} if terminal else \
+        {"TQDM_MININTERVAL": "30", "TQDM_MAXINTERVAL": "30"}
+
+
 def set_stage_defaults() -> None:
-    for key, value in STAGE_ENV_DEFAULTS.items():
+    terminal = bool(sys.__stderr__) and sys.__stderr__.isatty()
+    for key, value in {**STAGE_ENV_DEFAULTS, **progress_defaults(terminal)}.items():
         os.environ.setdefault(key, value)
 
 

@@ -145,3 +145,16 @@ def test_a_signal_to_the_stage_process_reaches_the_served_child(server):
     while Path(f"/proc/{child}").exists():
         assert time.monotonic() < deadline, "the child outlived the signal"
         time.sleep(0.05)
+
+
+def test_a_plain_dvc_repro_stage_refreshes_its_bars_as_make_does():
+    """A stage run cold by a plain `dvc repro` (no Makefile, stderr captured to a log) sets tqdm's
+    intervals itself before tqdm is imported: 30 s into a log, as under make; the user's own win."""
+    probe = ("import sys; sys.path.insert(0, 'stages'); import warm_start; warm_start.set_stage_defaults(); "
+             "from tqdm.auto import tqdm; bar = tqdm(total=1); print(bar.mininterval, bar.maxinterval)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQDM_")}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["30.0", "30.0"], done.stdout + done.stderr
+    mine = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**env, "TQDM_MININTERVAL": "2"},
+                          capture_output=True, text=True, timeout=60)
+    assert mine.stdout.split()[0] == "2.0"
