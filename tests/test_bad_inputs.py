@@ -438,6 +438,72 @@ def test_empty_or_damaged_study_file_is_refused_naming_file_and_fix(tiny, tmp_pa
     assert study.read_bytes() == content                     # not replaced by a fresh study
 
 
+def study_with_dev(tmp_path: Path, name: str = "s") -> str:
+    """Three complete trials recording their per-task dev scores as the objective does (value = their mean)."""
+    url = f"sqlite:///{tmp_path / 'tune/study.db'}"
+
+    def objective(trial):
+        x = trial.suggest_float("x", 0, 1)
+        dev = {"a": round(0.5 * x, 6), "b": round(0.5 * x, 6)}
+        trial.set_user_attr("dev", dev)
+        return sum(dev.values()) / 2
+
+    tune.run_trials(tune.open_study(url, name), objective, 3)
+    return url
+
+
+def test_a_changed_trial_value_in_the_study_file_is_refused_not_taken_for_the_best(tmp_path):
+    """One trial's stored value changed (a flipped bit passes SQLite's own integrity check): its value
+    no longer is the mean of its recorded dev scores, and it must not become the study's best."""
+    import sqlite3
+
+    url = study_with_dev(tmp_path)
+    with sqlite3.connect(tmp_path / "tune/study.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        db.execute("UPDATE trial_values SET value = 0.75 WHERE trial_id = (SELECT MIN(trial_id) FROM trials)")
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    study = optuna.load_study(study_name="s", storage=url)
+    assert study.best_trial.value == 0.75                     # what the damage would have chosen
+    from featcal import FeatCalConfig
+
+    for read in (tune.summarize, lambda st: tune.best_values(st, FeatCalConfig())):
+        with pytest.raises(tune.StudyStorageError, match=r"study\.db: study 's', trial 0: its value 0\.75 is not the "
+                                                         r"mean of the dev scores it recorded .*cannot be trusted"):
+            read(study)
+
+
+def test_overwritten_bytes_or_a_lock_on_the_study_file_are_said_in_one_line(tmp_path):
+    """512 overwritten bytes gave a bare traceback; a file locked by another process was called
+    unreadable after the timeout, with advice to delete it."""
+    import sqlite3
+
+    from featcal import FeatCalConfig
+
+    url = study_with_dev(tmp_path)
+    path = tmp_path / "tune/study.db"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sqlite3, sys, time
+        db = sqlite3.connect({str(path)!r}, isolation_level=None)
+        db.execute("BEGIN EXCLUSIVE")
+        print("locked", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(tune.StudyStorageError, match=r"is locked by another process.*do not delete it") as err:
+            tune.tune(SimpleNamespace(fingerprint=lambda *a: None, dev={}, n_blocks=1), FeatCalConfig(), tune.SearchSpace(),
+                      url, "s", 4)
+        assert "delete it to start" not in str(err.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    data = bytearray(path.read_bytes())
+    data[4096:4608] = bytes(range(256)) * 2   # the start of the second page
+    path.write_bytes(bytes(data))
+    with pytest.raises(tune.StudyStorageError, match=r"study file .*study\.db cannot be read .*restore it"):
+        tune.summarize(tune.open_study(url, "s"))
+
+
 def test_tune_stage_refuses_n_trials_below_one(tmp_path):
     done = tune_stage("--n-trials", "-3", cwd=tmp_path)
     assert done.returncode == 2 and "--n-trials" in done.stderr

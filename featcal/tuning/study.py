@@ -85,12 +85,47 @@ def _readable_storage(url: str | None) -> Iterator[None]:
     """Turn a database error while opening a study into one naming the file and the fix."""
     try:
         yield
-    except sqlalchemy.exc.DatabaseError as err:
+    except (sqlalchemy.exc.DatabaseError, optuna.exceptions.StorageInternalError) as err:
+        # optuna wraps a database error met inside a commit; the database's own words are its cause
+        inner = err.__cause__ if isinstance(err, optuna.exceptions.StorageInternalError) and err.__cause__ else err
+        inner = getattr(inner, "orig", None) or inner
         path = sqlite_path(url) if url else None
         where = f"study file {path}" if path else f"study storage {redacted(url or '')}"
+        cause = f"{type(inner).__name__}: {str(inner)[:200]}"
+        if "locked" in str(inner).lower():   # another worker holds it: nothing is damaged
+            raise StudyStorageError(f"{where} is locked by another process ({cause}): a worker or a study still "
+                                    "running? Wait for it to finish or stop it, then run again; the file is "
+                                    "not damaged, do not delete it") from None
         fix = _storage_fix(path) if path else "repair or restore the database"
-        raise StudyStorageError(f"{where} cannot be read ({type(err.orig or err).__name__}: "
-                                f"{str(err.orig or err)[:200]}); {fix}") from None
+        raise StudyStorageError(f"{where} cannot be read ({cause}); {fix}") from None
+
+
+def _url(study: optuna.Study) -> str | None:
+    storage = getattr(study, "_storage", None)
+    return getattr(getattr(storage, "_backend", storage), "url", None)   # optuna caches an RDBStorage
+
+
+def complete_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """The study's complete trials, each checked against what it recorded: a trial's value is the
+    mean of its per-task dev scores (`dev`, 6 digits). A stored value that is not (a flipped bit, an
+    edit) would make a wrong trial the best, so it is an error naming the trial and the file; a
+    file damaged in another way is reported by name too."""
+    url = _url(study)
+    with _readable_storage(url):
+        trials = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    for trial in trials:
+        dev = trial.user_attrs.get("dev")
+        if isinstance(dev, dict) and dev and all(isinstance(v, (int, float)) for v in dev.values()):
+            mean = statistics.fmean(dev.values())
+            if trial.value is None or not abs(trial.value - mean) <= 1e-6:
+                path = sqlite_path(url) if url else None
+                where = f"study file {path}" if path else f"study storage {redacted(url or '')}"
+                fix = _storage_fix(path) if path else "restore the database"
+                raise StudyStorageError(
+                    f"{where}: study {study.study_name!r}, trial {trial.number}: its value {trial.value} is not the "
+                    f"mean of the dev scores it recorded ({mean:.6f}): the file was changed after the trial ran "
+                    f"(damaged or edited), and its best trial cannot be trusted; {fix}")
+    return trials
 
 
 def redacted(url: str) -> str:
@@ -149,7 +184,8 @@ def counts_toward_total(trial: FrozenTrial) -> bool:
 
 
 def count_trials(study: optuna.Study) -> int:
-    return sum(counts_toward_total(t) for t in study.get_trials(deepcopy=False))
+    with _readable_storage(_url(study)):
+        return sum(counts_toward_total(t) for t in study.get_trials(deepcopy=False))
 
 
 @contextlib.contextmanager
@@ -397,7 +433,9 @@ def _claim(study: optuna.Study, trials: Sequence[FrozenTrial], enqueue: Mapping[
 
 def summarize(study: optuna.Study) -> dict:
     """Counts, the best trial, the enqueued (default) trial and the trials' wall seconds."""
-    trials = study.get_trials(deepcopy=False)
+    complete_trials(study)   # every recorded value checked before a best is named
+    with _readable_storage(_url(study)):
+        trials = study.get_trials(deepcopy=False)
     by_state = {s.name.lower(): sum(t.state == s for t in trials) for s in
                 (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING)}
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -423,7 +461,7 @@ def summarize(study: optuna.Study) -> dict:
 def best_values(study: optuna.Study, base: FeatCalConfig) -> dict:
     """α, ρ, λ of the best complete trial, and its `layer_overrides` when it searched blocks on
     their own (KEY@BLOCK) or `base` has some; a hyperparameter not searched keeps its `base` value."""
-    if not any(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)):
+    if not complete_trials(study):
         raise RuntimeError(f"study {study.study_name!r} has no complete trial yet")
     from featcal.calibration.config import HYPER_KEYS
     from featcal.tuning.objective import AnchorSearch, config_with
@@ -526,8 +564,9 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
     from featcal.tuning.objective import make_objective
 
     objective = make_objective(problem, space, base, settings.prune_after_layers, anchor)
-    ran = run_trials(study, objective, n_trials, seed=settings.seed, startup_trials=settings.startup_trials,
-                     lock=ClaimLock(storage, study_name), enqueue=enqueue)
+    with _readable_storage(storage):   # a file locked or damaged mid-study: said in one line
+        ran = run_trials(study, objective, n_trials, seed=settings.seed, startup_trials=settings.startup_trials,
+                         lock=ClaimLock(storage, study_name), enqueue=enqueue)
     summary = summarize(study)
     summary.update({"storage": redacted(storage), "target": n_trials, "ran_now": len(ran)})
     return TuneOutcome(study, ran, existing, summary)
