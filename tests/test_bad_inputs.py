@@ -41,9 +41,9 @@ import common  # noqa: E402  (stages/common.py: what every stage runs first)
 import gen_chain  # noqa: E402
 import prepare  # noqa: E402
 
-def tiny_bert_classifier(seed: int = 0, hidden: int = 32):
+def tiny_bert_classifier(seed: int = 0, hidden: int = 32, layers: int = 2):
     """The tiny project's base size (tests/tiny_project.py: 19 tokens, hidden 32) as a classifier."""
-    return tiny_bert(seed, vocab=19, hidden=hidden, intermediate=64, positions=64)
+    return tiny_bert(seed, layers=layers, vocab=19, hidden=hidden, intermediate=64, positions=64)
 
 
 @pytest.fixture(scope="module")
@@ -355,6 +355,21 @@ def test_merge_refuses_an_expert_of_another_family_naming_both():
 def test_merge_refuses_an_expert_of_another_size_naming_task_and_tensor():
     with pytest.raises(ValueError, match=r"expert 'wide': tensor 'embeddings\.word_embeddings\.weight' has shape"):
         merge_models(tiny_bert_classifier(), {"wide": tiny_bert_classifier(hidden=48)})
+
+
+def test_an_expert_with_more_layers_than_the_base_is_refused_naming_it(tmp_path):
+    """It holds every tensor of the base (and more), so the tensor-by-tensor check passed it and a
+    later step failed naming a healthy expert; in memory and where the merge reads checkpoints lazily."""
+    from featcal.io.models import check_model_types
+
+    base, deep = tiny_bert_classifier(), tiny_bert_classifier(layers=3)
+    with pytest.raises(ValueError, match=r"expert 'deep': its num_hidden_layers is 3, the base's is 2; experts must "
+                                         r"be fine-tuned from the base"):
+        merge_models(base, {"fine": tiny_bert_classifier(), "deep": deep})
+    base.save_pretrained(tmp_path / "base")
+    deep.save_pretrained(tmp_path / "deep")
+    with pytest.raises(ValueError, match=r"expert 'deep' \(.*deep\): its num_hidden_layers is 3, the base's is 2"):
+        check_model_types(str(tmp_path / "base"), {"deep": str(tmp_path / "deep")})
 
 
 def test_expert_not_fine_tuned_from_the_base_warns_with_expert_and_ratio():

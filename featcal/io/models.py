@@ -265,6 +265,22 @@ def ratio_of(diff: float, norm: float) -> float:
     return math.sqrt(diff) / max(math.sqrt(norm), 1e-12)
 
 
+# config keys that fix a model's shape: an expert fine-tuned from the base has the base's values
+SHAPE_KEYS = ("num_hidden_layers", "num_layers", "num_decoder_layers", "hidden_size", "d_model", "intermediate_size",
+              "d_ff", "num_attention_heads", "num_key_value_heads", "vocab_size")
+
+
+def shape_mismatch(base_config, expert_config) -> str | None:
+    """The first shape-fixing config value in which an expert differs from its base, said; None if none.
+    (An expert with more layers than the base has every base tensor, so a tensor-by-tensor check of
+    the base's names would pass it.)"""
+    for key in SHAPE_KEYS:
+        mine, theirs = getattr(base_config, key, None), getattr(expert_config, key, None)
+        if mine is not None and theirs is not None and mine != theirs:
+            return f"its {key} is {theirs}, the base's is {mine}"
+    return None
+
+
 def check_experts_fit_base(base: nn.Module, experts: Mapping[str, nn.Module]) -> None:
     """Experts must be of the base's model type, with its tensors, and finite; an expert whose
     task vector is implausibly large for a fine-tune of the base gets a warning naming the ratio."""
@@ -282,6 +298,9 @@ def check_experts_fit_base(base: nn.Module, experts: Mapping[str, nn.Module]) ->
                 shape = None if found is None else tuple(found.shape)
                 raise ValueError(f"expert {task!r}: tensor {name!r} has shape {shape}, the base's is {tuple(value.shape)}; "
                                  "experts must be fine-tuned from the base")
+        mismatch = shape_mismatch(getattr(base, "config", None), getattr(expert, "config", None))
+        if mismatch:   # e.g. more layers than the base: every base tensor is there, and more
+            raise ValueError(f"expert {task!r}: {mismatch}; experts must be fine-tuned from the base")
         check_finite(state, f"expert {task!r}")
         warn_if_implausible(task, task_vector_ratio(base_state, state))
 
@@ -299,12 +318,15 @@ def warn_if_implausible(expert: str, ratio: float) -> None:
 def check_model_types(base: str | os.PathLike, experts: Mapping[str, str | os.PathLike]) -> None:
     """`check_experts_fit_base`'s model-type check from the configs alone (nothing is loaded), for
     merges that read the experts tensor by tensor (they check names, shapes and finiteness there)."""
-    base_type = AutoConfig.from_pretrained(resolve_model_ref(base)).model_type
+    base_config = AutoConfig.from_pretrained(resolve_model_ref(base))
     for task, ref in experts.items():
-        expert_type = AutoConfig.from_pretrained(resolve_model_ref(ref)).model_type
-        if expert_type != base_type:
-            raise ValueError(f"expert {task!r} ({ref}) is a {expert_type!r} model but the base ({base}) is a "
-                             f"{base_type!r} model; experts must be fine-tuned from the base")
+        config = AutoConfig.from_pretrained(resolve_model_ref(ref))
+        if config.model_type != base_config.model_type:
+            raise ValueError(f"expert {task!r} ({ref}) is a {config.model_type!r} model but the base ({base}) is a "
+                             f"{base_config.model_type!r} model; experts must be fine-tuned from the base")
+        mismatch = shape_mismatch(base_config, config)
+        if mismatch:
+            raise ValueError(f"expert {task!r} ({ref}): {mismatch}; experts must be fine-tuned from the base")
 
 
 def head_state(model: nn.Module) -> dict[str, torch.Tensor]:
