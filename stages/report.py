@@ -18,7 +18,7 @@ from warm_start import start_stage
 
 start_stage()   # the stage environment; returns unless a warm interpreter ran this stage (stages/warm_start.py)
 
-from featcal.evaluation.report import Table, write_report  # noqa: E402
+from featcal.evaluation.report import Table, check_scores, write_report  # noqa: E402
 from featcal.tuning.comparison import rows_from_mapping, table_cells  # noqa: E402
 
 LIVE_CAPTION = "Fine-tuning, per task: train loss and dev accuracy per epoch (DVCLive, stage finetune)"
@@ -40,6 +40,8 @@ def tuned_table(path: Path) -> Table | None:
     try:
         compared = json.loads(path.read_text())
         rows = rows_from_mapping(compared["anchors"])
+        for r in rows:
+            check_scores({**r.test, "dev": r.dev_avg if r.dev_avg is not None else 0.0}, f"anchors.{r.anchor}.{r.method}")
         # the selection rule's picks on dev (docs/uncertainty.md), where the comparison has them
         chosen = list((compared.get("selected") or {}).values()) or [compared.get("dev_best"), compared.get("dev_best_featcal")]
         picks = {(p["anchor"], p["method"]) for p in chosen if p}
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             out = write_report(args.out, args.metrics, args.plots, args.compare, extra,
                                tuned=tuned_table(Path(args.tuned)) if args.tuned else None)
-        except FileNotFoundError as err:
+        except (FileNotFoundError, ValueError) as err:   # a missing, malformed or out-of-range results file
             raise SystemExit(f"report: error: {err}") from None
     print(f"wrote {out}")
 

@@ -519,6 +519,24 @@ def test_overwritten_bytes_or_a_lock_on_the_study_file_are_said_in_one_line(tmp_
         tune.summarize(tune.open_study(url, "s"))
 
 
+@pytest.mark.parametrize("metrics, says", [
+    ('{"experts": {"avg": 0.7, "a": 0.7}, "featcal": {"avg": 94.723, "a": 94.723}}',
+     "metrics.json: featcal.avg = 94.723: an accuracy must be a number in [0, 1]"),
+    ('{"experts": {"avg": NaN, "a": 0.5}}', "metrics.json: experts.avg = nan: an accuracy must be a number in [0, 1]"),
+    ('{"experts": {"avg": 0.7, "a": "high"}}', "metrics.json: experts.a = 'high'"),
+    ('{"experts": {"avg": 0.7', "metrics.json: not valid JSON"),
+    ('[1, 2]', "metrics.json: expected a JSON object, got list"),
+])
+def test_make_report_refuses_a_malformed_or_out_of_range_results_file_naming_it(tmp_path, metrics, says):
+    """A bare traceback before, or scores shown as 9472.3 % and nan without complaint."""
+    (tmp_path / "metrics.json").write_text(metrics)
+    done = subprocess.run([sys.executable, str(ROOT / "stages/report.py"), "--metrics", str(tmp_path / "metrics.json"),
+                           "--plots", str(tmp_path), "--out", str(tmp_path / "report.html")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "report: error:" in done.stderr and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "report.html").exists()
+
+
 def test_tune_stage_refuses_n_trials_below_one(tmp_path):
     done = tune_stage("--n-trials", "-3", cwd=tmp_path)
     assert done.returncode == 2 and "--n-trials" in done.stderr

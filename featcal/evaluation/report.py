@@ -10,8 +10,9 @@ from __future__ import annotations
 import base64
 import html
 import json
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,51 @@ def render(metrics: dict, plots: list[tuple[str | os.PathLike, str]], compare: d
             + "\n".join(parts) + "\n</body></html>\n")
 
 
+def check_scores(scores, where: str) -> None:
+    """A score map ({"avg", <task>: accuracy, ["gap_closed"]}): every accuracy a finite number in [0, 1]
+    (a percentage or a NaN written by mistake would be shown as 9472.3 % or nan)."""
+    if not isinstance(scores, Mapping) or not scores:
+        raise ValueError(f"{where}: expected a mapping of accuracies, got {scores!r:.80}")
+    for key, value in scores.items():
+        if key == "gap_closed":
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value)):
+                raise ValueError(f"{where}.gap_closed = {value!r}: expected a finite number or null")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{where}.{key} = {value!r}: an accuracy must be a number in [0, 1]")
+
+
+def read_results(path: str | os.PathLike, kind: str) -> dict:
+    """A results file read and its scores checked: `kind` "metrics" (results/metrics.json) or
+    "compare" (results/compare_defaults.json). Errors name the file and the key."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    try:
+        if kind == "metrics":
+            for key, _label in METRIC_ROWS:
+                if key in data:
+                    check_scores(data[key], key)
+            if "experts" not in data:
+                raise ValueError("no 'experts' scores")
+            check_scores({"gap_closed": data.get("gap_closed")}, "")
+        else:
+            check_scores(data.get("experts"), "experts")
+            for anchor, row in (data.get("anchors") or {}).items():
+                check_scores(row.get("merged"), f"anchors.{anchor}.merged")
+                for key, _label in COMPARE_METHODS:
+                    if key in row and key != "merged":
+                        check_scores(row[key].get("scores"), f"anchors.{anchor}.{key}.scores")
+    except (ValueError, AttributeError, TypeError) as err:
+        raise ValueError(f"{path}: {err}") from None
+    return data
+
+
 def write_report(out: str | os.PathLike, metrics: str | os.PathLike, plots_dir: str | os.PathLike,
                  compare: str | os.PathLike | None = None,
                  extra_plots: Sequence[tuple[str | os.PathLike, str]] = (), tuned: Table | None = None) -> Path:
@@ -169,8 +215,8 @@ def write_report(out: str | os.PathLike, metrics: str | os.PathLike, plots_dir: 
         raise FileNotFoundError(f"no metrics at {metrics_path}: run the pipeline first (make repro)")
     compare_data = None
     if compare is not None and Path(compare).is_file():
-        compare_data = json.loads(Path(compare).read_text())
-    page = render(json.loads(metrics_path.read_text()), [*find_plots(plots_dir), *extra_plots], compare_data,
+        compare_data = read_results(compare, "compare")
+    page = render(read_results(metrics_path, "metrics"), [*find_plots(plots_dir), *extra_plots], compare_data,
                   tuned=tuned)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
