@@ -537,6 +537,29 @@ def test_make_report_refuses_a_malformed_or_out_of_range_results_file_naming_it(
     assert "Traceback" not in done.stderr and not (tmp_path / "report.html").exists()
 
 
+def test_a_flipped_bit_in_a_stores_metadata_names_the_store_and_the_damage(tmp_path):
+    """zarr's metadata (zarr.json) carries no checksum: a flipped bit gave a bare JSONDecodeError, or a
+    valid JSON of another shape. Each array's zarr.json is sealed in the group's attrs at write time."""
+    from featcal.io.feature_store import read_attrs, read_group
+
+    def store_with_flip(store: Path, meta: str, at: bytes, after: bytes, bit: int) -> Path:
+        write_group(store, {"x/a": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2)}, {"layer": 0})
+        data = bytearray((store / meta).read_bytes())
+        data[data.index(at, data.index(after))] ^= bit
+        (store / meta).write_bytes(bytes(data))
+        return store
+
+    broken = store_with_flip(tmp_path / "layer_00.zarr", "zarr.json", b"{", b"", 0x01)    # '{' -> 'z': no JSON
+    for read in (read_group, read_attrs):
+        with pytest.raises(OSError, match=r"layer_00\.zarr: its metadata zarr\.json cannot be read .*the cache is damaged"):
+            read(broken)
+    reshaped = store_with_flip(tmp_path / "layer_01.zarr", "x/a/zarr.json", b"3", b'"shape"', 0x0A)  # 3 rows -> 9
+    assert json.loads((reshaped / "x/a/zarr.json").read_text())["shape"][0] == 9    # still valid JSON
+    with pytest.raises(OSError, match=r"layer_01\.zarr: the metadata x/a/zarr\.json is missing or not as written"):
+        read_group(reshaped)
+    assert read_attrs(store_with_flip(tmp_path / "ok.zarr", "b/zarr.json", b"{", b"", 0)) == {"layer": 0}
+
+
 def test_tune_stage_refuses_n_trials_below_one(tmp_path):
     done = tune_stage("--n-trials", "-3", cwd=tmp_path)
     assert done.returncode == 2 and "--n-trials" in done.stderr

@@ -13,6 +13,8 @@ renamed into place only when complete.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,39 @@ class StoreFormat:
         return tensor.numpy(), None
 
 
+SEAL_ATTR = "metadata_sha256"   # the group's attrs: SHA-256 of every array's and subgroup's zarr.json
+
+
+def _seal(root: Path) -> None:
+    """Record the digest of each zarr.json below the group's own: zarr's metadata carries no
+    checksum (the chunks do), and a flipped bit in it reads as another shape or dtype, or as no JSON."""
+    digests = {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+               for p in sorted(root.rglob("zarr.json")) if p.parent != root}
+    zarr.open_group(str(root), mode="r+").attrs[SEAL_ATTR] = digests
+
+
+def _damaged(path: Path, what: str) -> OSError:
+    return OSError(f"{path}: {what}; the cache is damaged: delete it and re-run the stage that wrote it "
+                   "(or `dvc checkout --force` / `dvc pull`)")
+
+
+def _open_checked(path: Path):
+    """The group at `path`, its metadata checked: readable JSON, and every zarr.json as sealed."""
+    meta = path / "zarr.json"
+    try:
+        attrs = json.loads(meta.read_bytes()).get("attributes", {}) or {}
+    except (UnicodeDecodeError, ValueError, AttributeError) as err:
+        raise _damaged(path, f"its metadata {meta.name} cannot be read ({type(err).__name__}: {err})") from None
+    for relative, digest in (attrs.get(SEAL_ATTR) or {}).items():
+        file = path / relative
+        if not file.is_file() or hashlib.sha256(file.read_bytes()).hexdigest() != digest:
+            raise _damaged(path, f"the metadata {relative} is missing or not as written (SHA-256 differs)")
+    try:
+        return zarr.open_group(str(path), mode="r")
+    except Exception as exc:  # noqa: BLE001 - zarr reports bad metadata in several types
+        raise _damaged(path, f"it cannot be opened ({type(exc).__name__}: {exc})") from None
+
+
 def write_group(
     path: str | os.PathLike, arrays: Mapping[str, object], attrs: Mapping | None = None, chunk_rows: int = 16,
     fmt: StoreFormat = StoreFormat(),
@@ -81,6 +116,7 @@ def write_group(
             arr[...] = data
             if torch_dtype is not None:
                 arr.attrs[TORCH_DTYPE_ATTR] = torch_dtype
+        _seal(Path(tmp))
 
 
 def write_rows(
@@ -112,6 +148,7 @@ def write_rows(
             count = i + 1
         if count != shape[0]:
             raise ValueError(f"{path}: {count} rows of {name!r} given, expected {shape[0]}")
+        _seal(Path(tmp))
 
 
 def _read_array(path: Path, name: str, arr) -> torch.Tensor:
@@ -131,9 +168,15 @@ def read_group(path: str | os.PathLike, names: list[str] | None = None) -> dict[
     path = Path(path)
     if not (path / "zarr.json").exists():
         raise FileNotFoundError(f"{path}: not a zarr group (missing zarr.json); was the producing stage run?")
-    group = zarr.open_group(str(path), mode="r")
+    group = _open_checked(path)
     out: dict[str, torch.Tensor] = {}
-    for name, arr in group.arrays() if names is None else ((n, group[n]) for n in names):
+    try:
+        arrays = list(group.arrays()) if names is None else [(n, group[n]) for n in names]
+    except KeyError:   # an array the caller named that the group lacks: the caller's error, not damage
+        raise
+    except Exception as exc:  # noqa: BLE001 - an array's damaged metadata
+        raise _damaged(path, f"its arrays cannot be opened ({type(exc).__name__}: {exc})") from None
+    for name, arr in arrays:
         out[name] = _read_array(path, name, arr)
     if names is None:
         for sub_name, sub in group.groups():
@@ -143,4 +186,5 @@ def read_group(path: str | os.PathLike, names: list[str] | None = None) -> dict[
 
 
 def read_attrs(path: str | os.PathLike) -> dict:
-    return dict(zarr.open_group(str(path), mode="r").attrs)
+    """The group's attributes (its metadata checked as `read_group` does; the seal left out)."""
+    return {k: v for k, v in _open_checked(Path(path)).attrs.items() if k != SEAL_ATTR}
