@@ -181,17 +181,7 @@ Device = Annotated[str, Field(strict=True, json_schema_extra={"pattern": r"^(aut
 # --- the sections --------------------------------------------------------------------------------------
 
 
-class _ClassDefaults(type(BaseModel)):
-    """`Tune.study_name` on the class is the field's default, as it was on the dataclasses (stages/tune.py)."""
-
-    def __getattr__(cls, name: str):
-        found = cls.__dict__.get("__pydantic_fields__", {}).get(name)
-        if found is None or found.is_required():
-            return super().__getattr__(name)
-        return found.get_default(call_default_factory=True)
-
-
-class Section(BaseModel, metaclass=_ClassDefaults):
+class Section(BaseModel):
     """A params section: a mapping (null: all defaults) of known keys only."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--params", default="params.yaml", help="params file (tasks, tokens, calibration, featcal, tune)")
     parser.add_argument("--storage", help="SQLAlchemy URL of the study (default: tune.storage, else sqlite at --snapshot)")
     parser.add_argument("--n-trials", type=positive_int, help="total trials wanted in the study (default: tune.n_trials)")
-    parser.add_argument("--study-name", help=f"study name (default: tune.study_name, else {TuneParams.study_name})")
+    parser.add_argument("--study-name", help=f"study name (default: tune.study_name, else {TuneParams().study_name})")
     parser.add_argument("--merged", default="models/merged", help="the merged multi-task model folder")
     parser.add_argument("--experts", default="experts", help="folder of the experts, one sub-folder per task")
     parser.add_argument("--features", default="features/experts", help="the experts' cached states (zarr)")

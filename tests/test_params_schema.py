@@ -50,7 +50,7 @@ def test_strict_values_are_refused_in_todays_words(key, value, says):
 def test_defaults_and_tuned_values():
     params = validate(yaml.safe_load((ROOT / "params.yaml").read_text()), ROOT, models=False)
     assert isinstance(params.featcal.alpha, float) and params.tune.search["ridge"].log
-    assert (Tune().study_name, Tune().n_trials, Tune.study_name) == ("featcal-dev", 24, "featcal-dev")
+    assert (Tune().study_name, Tune().n_trials) == ("featcal-dev", 24)
     tuned = validate_tuned({"featcal": {"alpha": 0.1, "rho": 1, "ridge": 0.2, "layer_overrides": {0: {"alpha": 0.3}}}})
     assert tuned == {"alpha": 0.1, "rho": 1.0, "ridge": 0.2, "layer_overrides": {0: {"alpha": 0.3}}}
     with pytest.raises(ParamsError, match=r"^featcal\.rho: missing; it is required$"):
