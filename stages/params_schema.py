@@ -266,7 +266,7 @@ class FeatCal(Hyper):
     calibrate_bias: Boolean = True
     calibrate_norms: Boolean = True
     calibrate_pooler: Boolean = False
-    product_dtype: one_of(*PRODUCT_DTYPES) = "float32"
+    product_dtype: one_of(*PRODUCT_DTYPES) = "float64"   # the exact path (FeatCalConfig's default too)
     device: Device = "auto"
     layer_overrides: mapping_of(given_keys(Hyper)) = {}
     use_tuned: Boolean = False
@@ -314,6 +314,7 @@ class Tune(Section):
     anchor_search: mapping_of(Range) = {}
     prune_after_layers: list_of(integer(0)) = []
     prune_startup_trials: integer(0) = 5
+    trial_product_dtype: Optional[one_of(*PRODUCT_DTYPES)] = None   # trials' moment products; the best: featcal's
 
 
 class Evaluate(Section):

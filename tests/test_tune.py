@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -191,6 +192,31 @@ def problem_of(project: Path, params: dict) -> tune.TuneProblem:
         batch_size=params["calibration"]["batch_size"], merged=project / "models/merged",
         experts_dir=project / "experts", features=project / "features/experts", tasks_dir=project / "data/tasks",
         seed=int(params["seed"]))
+
+
+def test_a_reduced_precision_search_ranks_in_float32_and_its_best_is_calibrated_again_exactly(project, tmp_path):
+    """tune.trial_product_dtype: float32: each trial's moment products in float32; the best trial's
+    values, written to tune/best.yaml, are calibrated in the float64 path, reproducibly."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    problem = problem_of(project, params)
+    base = FeatCalConfig.from_mapping({**params["featcal"], "product_dtype": "float64"})
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    settings = tune.StudySettings(startup_trials=2, trial_product_dtype="float32")
+    outcome = tune.tune(problem, base, tune.SearchSpace(), storage, "search32", 3, settings)
+    tune.write_best(tmp_path / "best.yaml", outcome.study, base)
+    values = yaml.safe_load((tmp_path / "best.yaml").read_text())["featcal"]
+    exact = dataclasses.replace(base, **values)
+    assert exact.product_dtype == "float64"
+    first, again = problem.calibrate(exact).state_dict(), problem.calibrate(exact).state_dict()
+    assert all(torch.equal(first[n], again[n]) for n in first)          # the exact path reproduces bit for bit
+    fast = problem.calibrate(dataclasses.replace(exact, product_dtype="float32"))
+    best = outcome.study.best_trial
+    assert statistics.fmean(problem.score(fast).values()) == best.value   # what the trial scored: float32 products
+    fast = fast.state_dict()
+    worst = max(float((fast[n] - first[n]).abs().max() / first[n].abs().max()) for n in first if first[n].is_floating_point())
+    assert 0 < worst <= 1e-5, worst
+    with pytest.raises(tune.StudyMismatchError):   # one study, one precision
+        tune.tune(problem, base, tune.SearchSpace(), storage, "search32", 4, tune.StudySettings(startup_trials=2))
 
 
 def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_test_once(project, monkeypatch):

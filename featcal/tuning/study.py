@@ -22,6 +22,7 @@ import statistics
 import threading
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Sequence
@@ -524,6 +525,10 @@ class StudySettings:
     enqueue_defaults: bool = True
     prune_after_layers: tuple[int, ...] = ()
     prune_startup_trials: int = 5
+    # a search mode: the trials' moment products in this dtype (e.g. "float32": the ranking is what
+    # a search needs); None: the base config's. The best trial's values are calibrated again in the
+    # base config's (exact) path for whatever is written or scored on test (docs/tuning.md).
+    trial_product_dtype: str | None = None
 
 
 @dataclass
@@ -544,10 +549,13 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
     if isinstance(n_trials, bool) or not isinstance(n_trials, int) or n_trials < 1:
         raise ValueError(f"n_trials must be an integer >= 1, got {n_trials!r}")
     rdb = make_storage(storage)   # an empty or damaged study file fails here
+    # what every trial calibrates with: the base, or its reduced-precision search mode
+    trial_base = dataclasses.replace(base, product_dtype=settings.trial_product_dtype) \
+        if settings.trial_product_dtype else base
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=settings.prune_startup_trials)
               if settings.prune_after_layers else None)
-    study = open_study(rdb, study_name, fingerprint=problem.fingerprint(base, space, anchor) if check_fingerprint else None,
-                       pruner=pruner)
+    study = open_study(rdb, study_name, pruner=pruner,
+                       fingerprint=problem.fingerprint(trial_base, space, anchor) if check_fingerprint else None)
     study.set_user_attr("dev_dropped", {t: d.dropped for t, d in problem.dev.items()})
     existing = count_trials(study)
     log.info("study %r in %s: %d trials counted, target %d", study_name, redacted(storage), existing, n_trials)
@@ -563,7 +571,7 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
         log.warning("the defaults %s lie outside the search space: not enqueued", {**defaults, **anchor_defaults})
     from featcal.tuning.objective import make_objective
 
-    objective = make_objective(problem, space, base, settings.prune_after_layers, anchor)
+    objective = make_objective(problem, space, trial_base, settings.prune_after_layers, anchor)
     with _readable_storage(storage):   # a file locked or damaged mid-study: said in one line
         ran = run_trials(study, objective, n_trials, seed=settings.seed, startup_trials=settings.startup_trials,
                          lock=ClaimLock(storage, study_name), enqueue=enqueue)
