@@ -1,0 +1,102 @@
+"""Benchmark (not a test): where one trial of a FeatCal study spends its seconds, on the demo.
+
+Replays the first --trials trials of the Task Arithmetic study of the comparison
+(`task_arithmetic-anchor-featcal` in results/dev_tuning/study.db: TA's scale searched with α, ρ, λ)
+in one process, as `stages/tune.py` runs them: the problem loaded once (setup), then per trial the
+anchor merge with the trial's scale, the calibration (split into the walk's phases:
+`featcal.profiling.phase`) and the dev scoring. Each trial's dev score must equal the one the study
+recorded (the replay is the trial). Needs `make repro` and `python stages/tune_anchor.py
+task_arithmetic --rescore` (or the study run) first, for the anchor's merge folder under work/anchors.
+Figures go to results/bench.json (`trial_cost`). Run on an otherwise idle machine:
+
+    python bench/trial_cost.py --trials 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import optuna
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "stages"))
+from common import enabled_tasks, get, load_params, max_length  # noqa: E402
+
+from featcal.calibration.config import FeatCalConfig  # noqa: E402
+from featcal.profiling import phase_times  # noqa: E402
+from featcal.tuning import AnchorSearch, Range, load_problem  # noqa: E402
+from featcal.tuning.objective import config_with  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from alpha_rerun import merge_json  # noqa: E402
+
+STUDY = "task_arithmetic-anchor-featcal"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=3, help="how many of the study's first trials to replay")
+    parser.add_argument("--study-file", default="results/dev_tuning/study.db")
+    parser.add_argument("--work", default="work/anchors", help="where tune_anchor keeps the anchor's merge")
+    parser.add_argument("--out", default="results/bench.json")
+    args = parser.parse_args()
+    folders = sorted(Path(args.work).glob("task_arithmetic-*/merged"))
+    if not folders:
+        raise SystemExit(f"trial_cost: no task_arithmetic-*/merged under {args.work}: run "
+                         "`python stages/tune_anchor.py task_arithmetic --rescore` first")
+    folder = folders[0].parent
+    params = yaml.safe_load((folder / "params-rescore-featcal.yaml").read_text()) \
+        if (folder / "params-rescore-featcal.yaml").exists() else load_params()
+    tasks = enabled_tasks(params)
+    with tempfile.TemporaryDirectory() as tmp:   # the committed study is only read, from a copy
+        shutil.copyfile(args.study_file, Path(tmp) / "study.db")
+        study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{Path(tmp) / 'study.db'}")
+        trials = sorted((t for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.number)[:args.trials]
+    start = time.perf_counter()
+    problem = load_problem(base=get(params, "model.base"), tasks=tasks, max_length={t: max_length(params, t) for t in tasks},
+                           batch_size=int(get(params, "calibration.batch_size")), merged=folder / "merged",
+                           experts_dir="experts", features="features/experts", tasks_dir=get(params, "tasks_dir"),
+                           seed=int(get(params, "seed")))
+    setup_s = time.perf_counter() - start
+    base = FeatCalConfig.from_mapping(get(params, "featcal"))
+    anchor = AnchorSearch("task_arithmetic", dict(get(params, "merge.options")), {"scale": Range(0.1, 1.0)})
+    rows = []
+    for trial in trials:
+        config = config_with(base, {k: v for k, v in trial.params.items() if not k.startswith(AnchorSearch.PREFIX)})
+        with phase_times() as phases:
+            t0 = time.perf_counter()
+            merged = problem.merged_with(anchor, anchor.options_of(trial.params))
+            t1 = time.perf_counter()
+            backbone = problem.calibrate(config, merged=merged)
+            t2 = time.perf_counter()
+            dev = problem.score(backbone)
+            t3 = time.perf_counter()
+        same = all(round(v, 6) == trial.user_attrs["dev"][t] for t, v in dev.items())
+        rows.append({"trial": trial.number, "merge_s": round(t1 - t0, 2), "calibrate_s": round(t2 - t1, 2),
+                     "score_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2),
+                     "phases_s": {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
+                     "dev_as_recorded": same})
+        print(f"trial {trial.number}: merge {t1 - t0:.1f} s, calibrate {t2 - t1:.1f} s, score dev {t3 - t2:.1f} s "
+              f"(dev as the study recorded: {same})", flush=True)
+        for name, seconds in rows[-1]["phases_s"].items():
+            print(f"    {name:28s} {seconds:7.2f} s {100 * seconds / (t2 - t1):5.1f} % of the calibration")
+    mean = {k: round(statistics.fmean(r[k] for r in rows), 2) for k in ("merge_s", "calibrate_s", "score_s", "total_s")}
+    print(f"setup (once per study): {setup_s:.1f} s; per trial, mean of {len(rows)}: {mean}")
+    merge_json(Path(args.out), {"trial_cost": {
+        "command": shlex.join(["python", *sys.argv]), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "threads": torch.get_num_threads(), "study": STUDY, "setup_s": round(setup_s, 2), "mean": mean, "trials": rows}})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
