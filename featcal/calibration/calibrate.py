@@ -291,7 +291,7 @@ class BlockResult:
     moments: dict[str, dict[str, Moments]]
     student_next: dict[str, list[Stream]]
     expert_next: dict[str, list[Stream]]
-    drift: LayerDrift
+    drift: LayerDrift | None   # None where the caller did not ask for it (a tuning trial)
 
 
 def calibrate_block(
@@ -307,6 +307,7 @@ def calibrate_block(
     reduce_moments: MomentReducer | None = None,
     reduce_sums: SumReducer | None = None,
     release_memory: bool = False,
+    measure_drift: bool = True,
 ) -> BlockResult:
     """Calibrate block `index` of the student backbone in place, and advance both streams.
 
@@ -315,7 +316,8 @@ def calibrate_block(
     runs), the per-block moment sums are reduced over processes before the solve, and a task may
     have no local batch on this process. `release_memory` hands the heap's freed pages back to the
     OS before and after the solve (`featcal.profiling.trim_heap`): a lower peak RSS for a process
-    that walks one block, at ~0.1 s a trim in pages faulted back in.
+    that walks one block, at ~0.1 s a trim in pages faulted back in. `measure_drift=False` skips the
+    drift to the experts (a tuning trial reads its dev score only: ~6 % of a trial's calibration).
     """
     block = family.blocks(student_backbone)[index]
     base_block = family.blocks(base_backbone)[index]
@@ -361,8 +363,10 @@ def calibrate_block(
         student_next = {
             t: [family.run_block(student_backbone, index, s) for s in streams] for t, streams in student_streams.items()
         }
-    with phase("drift"):
-        drift = block_drift(family, index, student_backbone, expert_backbones, student_next, expert_next, reduce_sums)
+    drift = None
+    if measure_drift:
+        with phase("drift"):
+            drift = block_drift(family, index, student_backbone, expert_backbones, student_next, expert_next, reduce_sums)
     return BlockResult(updates, reports, moments, student_next, expert_next, drift)
 
 

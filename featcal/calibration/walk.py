@@ -223,6 +223,7 @@ def walk(
     progress: bool = True,
     desc: str = "featcal",
     release_memory: bool = False,
+    measure_drift: bool = True,
 ) -> WalkResult:
     """Calibrate blocks `start`..`stop`−1 of the `student` backbone in place, in forward order.
 
@@ -244,13 +245,14 @@ def walk(
             result = calibrate_block(
                 family, index, student, base_bb, expert_bbs, out.student, expert_in, config,
                 last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
-                release_memory=release_memory,
+                release_memory=release_memory, measure_drift=measure_drift,
             )
         if on_block is not None:
             on_block(index, result)
         experts.advance(result.expert_next)
         out.student = result.student_next
-        out.drift.append(result.drift)
+        if result.drift is not None:
+            out.drift.append(result.drift)
         out.reports.extend(result.reports)
         del result  # this block's moments are not kept while the next block gathers its own
     if stop == n_blocks and config.calibrate_pooler and family.pooler(student) is not None:

@@ -309,8 +309,9 @@ class TuneProblem:
             if after_block is not None and k < self.n_blocks - 1:
                 after_block(k, backbone)
 
-        walk_all(self.family, backbone, self.weights, self.batches, config,
-                 expert_states=CachedExpertStates(self.family, self.states), on_block=on_block, progress=False)
+        walk_all(self.family, backbone, self.weights, self.batches, config,   # a trial reads its dev score, no drift
+                 expert_states=CachedExpertStates(self.family, self.states), on_block=on_block, progress=False,
+                 measure_drift=False)
         return backbone
 
     @torch.no_grad()
