@@ -24,7 +24,7 @@ from featcal.io.models import write_json
 from featcal.evaluation.predictions import read_correctness
 from featcal.tuning.comparison import (
     COMPARED, FEATCAL_PIPELINES, as_mapping, comparison_rows, detectable, dev_best, markdown_table, per_task_groups,
-    with_uncertainty,
+    significance_markdown, with_uncertainty,
 )
 
 
@@ -41,6 +41,8 @@ def main() -> None:
                              "every row gets a paired-bootstrap 95 %% interval and its difference to its anchor's "
                              "best row, and dev's pick follows the selection rule (docs/uncertainty.md)")
     parser.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples (seed: params' seed)")
+    parser.add_argument("--significance", default="results/compare_significance.md",
+                        help="where the per-anchor picks, their significance and the splits' detectable differences go")
     parser.add_argument("--plots", default="results/plots",
                         help="folder of the plots: compare_tuned_per_task.png (experts, anchor, dev-best model per "
                              "task) and the dev-best FeatCal study's compare_tuned_featcal_{history,importance}.png")
@@ -78,6 +80,8 @@ def main() -> None:
     except ValueError as err:
         raise SystemExit(f"compare_tuned: {args.predictions}: {err}") from None
     rows = measured.rows
+    resolved = {split: detectable(rows, models, correct[split]) for split in ("dev", "test")}
+    Path(args.significance).write_text(significance_markdown(measured, resolved, tasks))
     chosen = {k: dict(zip(("anchor", "method"), measured.selection[k]["chosen"].split("/"))) for k in ("overall", "featcal")}
     write_json(args.out, {"experts": {**compared["experts"], "ci95": measured.experts_ci95}, "tasks": tasks,
                           "anchors": as_mapping(rows),
@@ -85,7 +89,7 @@ def main() -> None:
                           "dev_best_featcal": {"anchor": best_featcal.anchor, "method": best_featcal.method},
                           "selected": chosen, "selection": measured.selection,
                           "significant_vs_best": measured.significant_vs_best,
-                          "detectable": {split: detectable(rows, models, correct[split]) for split in ("dev", "test")},
+                          "detectable": resolved,
                           "bootstrap": {"resamples": measured.n_resamples, "seed": measured.seed, "level": 0.95,
                                         "paired": "test examples resampled within each task, the same for every row"}})
     Path(args.table).write_text(markdown_table(rows, tasks))

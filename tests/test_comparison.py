@@ -6,7 +6,7 @@ import pytest
 from featcal.evaluation.bootstrap import accuracy_intervals, resample_indices
 from featcal.tuning.comparison import (FEATCAL_PIPELINES, as_mapping, comparison_rows, dev_best, extra_parameters, gap,
                                        markdown_table, per_task_groups, with_uncertainty,
-                                       detectable)
+                                       detectable, significance_markdown)
 
 TASKS = ["a", "b"]
 
@@ -156,6 +156,10 @@ def test_every_row_gets_its_paired_interval_its_difference_to_the_anchors_best_a
     z = 1.959963984540054 + 0.8416212335729143
     assert resolved["mdd"]["a"] == pytest.approx(z * (2 / 300 / 300) ** 0.5)
     assert resolved["mdd"]["avg"] == pytest.approx(z * (2 * 2 / 300 / 300) ** 0.5 / 2)
+
+    text = significance_markdown(measured, {"test": resolved}, TASKS)
+    assert "| ties | surgery (70.50) | featcal | surgery, featcal | featcal (80.0) | it is the best |" in text
+    assert "| test: MDD, paired (points) |" in text
 
     wrong = {**test, "s": featcal}   # another model's predictions under Surgery's name
     with pytest.raises(ValueError, match="row ties/surgery: its predictions give 0.800000 on 'a' where the table has"):

@@ -298,3 +298,30 @@ def detectable(rows: list[ComparisonRow], models: Mapping[tuple[str, str], str],
             "mdd": {"avg": found.mean.paired, **{t: x.paired for t, x in found.tasks.items()}},
             "mdd_unpaired": {"avg": found.mean.unpaired, **{t: x.unpaired for t, x in found.tasks.items()}},
             "alpha": alpha, "power": power}
+
+
+def significance_markdown(measured: Uncertainty, detectable_by_split: Mapping[str, Mapping], tasks: list[str]) -> str:
+    """Per anchor: the row the selection rule picks on dev, the rows tied with the dev-best, the best
+    test row and whether the pick's test difference to it is significant; then what each split can
+    resolve (minimum detectable differences, measured discordant rates). Markdown, accuracies in points."""
+    rows = {(r.anchor, r.method): r for r in measured.rows}
+    lines = ["| anchor | dev-best | chosen on dev (rule) | tied with the dev-best | best on test | chosen vs best on test "
+             "(95 % CI) |", "|---|---|---|---|---|---|"]
+    for anchor, pick in measured.selection["per_anchor"].items():
+        chosen, best = (name.split("/")[1] for name in (pick["chosen"], pick["best"]))
+        tied = ", ".join(name.split("/")[1] for name in pick["tied"])
+        top = measured.significant_vs_best[anchor]["best"]
+        v = rows[(anchor, chosen)].vs_best
+        cell = "it is the best" if v["best"] == chosen else (
+            f"{100 * v['difference']:+.1f} [{100 * v['ci95'][0]:+.1f}, {100 * v['ci95'][1]:+.1f}], "
+            + ("significant" if v["significant"] else "not significant"))
+        lines.append(f"| {anchor} | {best} ({100 * rows[(anchor, best)].dev_avg:.2f}) | {chosen} | {tied} | "
+                     f"{top} ({100 * rows[(anchor, top)].test_avg:.1f}) | {cell} |")
+    lines += ["", "| split | " + " | ".join(tasks) + " | average |", "|---|" + "---|" * (len(tasks) + 1)]
+    for split, found in detectable_by_split.items():
+        lines.append(f"| {split}: examples | " + " | ".join(str(found["examples"][t]) for t in tasks) + " | – |")
+        lines.append(f"| {split}: rows disagree on | " + " | ".join(f"{100 * found['discordant'][t]:.1f} %" for t in tasks)
+                     + " | – |")
+        lines.append(f"| {split}: MDD, paired (points) | " + " | ".join(f"{100 * found['mdd'][t]:.1f}" for t in tasks)
+                     + f" | {100 * found['mdd']['avg']:.2f} |")
+    return "\n".join(lines) + "\n"
