@@ -560,6 +560,18 @@ def test_a_flipped_bit_in_a_stores_metadata_names_the_store_and_the_damage(tmp_p
     assert read_attrs(store_with_flip(tmp_path / "ok.zarr", "b/zarr.json", b"{", b"", 0)) == {"layer": 0}
 
 
+def test_the_calibrate_stages_refuse_cuda_where_there_is_none(monkeypatch, tmp_path):
+    """featcal.device: cuda on a machine without CUDA: the per-layer stages never read the setting, ran
+    on the CPU and exited 0; now the step refuses it before reading anything, as in process."""
+    from featcal import FeatCalConfig
+    from featcal.calibration.layerwise import calibrate_cached_layer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"featcal.device is 'cuda' but torch sees no CUDA device; use 'auto' or 'cpu'"):
+        calibrate_cached_layer(0, tmp_path / "merged", tmp_path / "base", {}, {}, None, lambda layer: {},
+                               FeatCalConfig(device="cuda"))
+
+
 def test_tune_stage_refuses_n_trials_below_one(tmp_path):
     done = tune_stage("--n-trials", "-3", cwd=tmp_path)
     assert done.returncode == 2 and "--n-trials" in done.stderr

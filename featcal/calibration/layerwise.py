@@ -10,13 +10,14 @@ computes in one process.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
 from torch import Tensor
 
-from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.config import FeatCalConfig, resolve_device
 from featcal.calibration.calibrate import enter_streams, LayerDrift, ModuleReport, MomentReducer, SumReducer
 from featcal.families import family_for
 from featcal.families.base import block_prefixes, outer_prefixes
@@ -35,6 +36,9 @@ def collect_expert_layers(expert_dirs: Mapping[str, PathLike], batches: Batches)
     family = family_for(like)
     weights = LazyWeights(family, like, None, {t: expert_dirs[t] for t in batches})
     yield from expert_layer_states(family, weights, batches, len(family.blocks(like)))
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,7 +93,12 @@ def calibrate_cached_layer(
     """Walk block `index` alone: the student states entering it (None for block 0: the merged
     embeddings), the experts' cached states (`expert_states(layer)`), weights read lazily from
     `merged_dir`, `base` and `expert_dirs`. On the last block, with `config.calibrate_pooler`, the
-    pooler follows (its expert input is the cache of layer L)."""
+    pooler follows (its expert input is the cache of layer L). The per-layer chain computes on the
+    CPU: `featcal.device: cuda` where torch sees no CUDA device is an error here, as in process (it
+    ran on the CPU and exited 0); on a CUDA machine the chain does not move its blocks yet."""
+    if resolve_device(config.device).type != "cpu":
+        log.warning("featcal.device %r: the per-layer calibrate stages run on the CPU (in-process and tuning "
+                    "calibration use the device)", config.device)
     student = LazyStudent(merged_dir, index)
     family = student.family
     weights = LazyWeights(family, student.module, base, {t: expert_dirs[t] for t in batches})
