@@ -28,6 +28,25 @@ from featcal.tuning.comparison import (
 )
 
 
+def with_rescored_scores(studies: dict, predictions: Path) -> dict:
+    """A study whose dev-best model, rebuilt by `tune_anchor.py --rescore`, does not reproduce its
+    record (its method's code changed since the study ran) is reported with the rebuilt model's dev
+    and test scores, the ones its predictions give, and marked `rescored`."""
+    record = predictions / "rescored.json"
+    checks = json.loads(record.read_text()) if record.exists() else {}
+    out = dict(studies)
+    for (anchor, method), summary in studies.items():
+        check = checks.get(f"{anchor}/{method}")
+        if check is None or (check["dev_matches"] and check["test_matches"] and check["same_trial"]):
+            continue
+        again = json.loads((predictions / "rescored" / f"{anchor}_{method}.json").read_text())
+        out[(anchor, method)] = {**summary, "test": again["test"], "rescored": True,
+                                 "best": {**summary["best"], "dev_avg": again["rescored_dev"]["dev"]}}
+        print(f"compare_tuned: {anchor}/{method}: the rebuilt model does not reproduce study {summary['study']} "
+              f"(test {summary['test']['avg']} -> {again['test']['avg']}); its rebuilt scores are reported")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--studies", default="results/dev_tuning", help="folder of the studies' summaries")
@@ -59,6 +78,7 @@ def main() -> None:
     if not studies:
         raise SystemExit(f"compare_tuned: no <anchor>_<method>.json summaries in {args.studies} "
                          f"(anchors {anchors}, methods {list(COMPARED[1:])})")
+    studies = with_rescored_scores(studies, Path(args.predictions))
     compared = json.loads(Path(args.alone).read_text())
     alone = {a: compared["anchors"][a]["merged"] for a in anchors if a in compared.get("anchors", {})}
     width = json.loads((Path(args.experts) / tasks[0] / "config.json").read_text())["hidden_size"]

@@ -175,6 +175,10 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
             failed.append(method)
             continue
         again = json.loads(rescored_file.read_text())
+        # kept: where the rebuilt model does not reproduce the study (code changed since it ran), the
+        # comparison reports the rebuilt model's scores, whose predictions these are
+        (predictions / "rescored").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(rescored_file, predictions / "rescored" / f"{args.anchor}_{key}.json")
         check = {"study": summary["study"], "trial": again["best"]["trial"],
                  "fingerprint_matched": again.get("fingerprint_matched", True),
                  "same_trial": again["best"]["trial"] == summary["best"]["trial"],
