@@ -157,7 +157,8 @@ def test_make_report_writes_the_page_without_an_active_virtualenv(tmp_path):
     page = (project / "results/report.html").read_text()
     assert page.count("<img ") == 2 and "compare_defaults.json" not in page   # no comparison yet: its table is left out
     assert "Fine-tuning, per task: train loss and dev accuracy per epoch" in page
-    best = json.loads((ROOT / "results/compare.json").read_text())["dev_best"]   # the dev-tuned table, its pick in bold
+    compared = json.loads((ROOT / "results/compare.json").read_text())   # the dev-tuned table, dev's pick in bold
+    best = compared.get("selected", {}).get("overall") or compared["dev_best"]
     assert f'<tr class="head"><td class="name">{best["anchor"]}</td><td class="name">{best["method"]}</td>' in page
     curves = stages_report.read_live(project / "results/live/finetune")
     assert curves == {"a": {"dev_accuracy": [(1, 0.5), (2, 0.7)], "train_loss": [(1, 0.9), (2, 0.6)]},
@@ -194,6 +195,7 @@ def test_the_page_renders_offline_in_chromium(tmp_path):
                 timeout=30_000)
             images = page.evaluate("() => Array.from(document.images).map(i => [i.naturalWidth, i.alt])")
             headline = page.inner_text("table")
+            tables = page.evaluate("() => Array.from(document.querySelectorAll('table')).map(t => t.innerText)")
             tmp_shot = SCREENSHOT.with_name(f".{SCREENSHOT.name}.tmp.png")
             page.screenshot(path=str(tmp_shot))
             os.replace(tmp_shot, SCREENSHOT)
@@ -201,6 +203,15 @@ def test_the_page_renders_offline_in_chromium(tmp_path):
             browser.close()
     assert len(images) == expected_images and all(w > 0 for w, _ in images), images
     assert "+ FeatCal" in headline and "experts" in headline, headline
+    # the dev-tuned comparison as the reader sees it: every row's interval, the differences to its
+    # anchor's best row that the test split cannot resolve marked n.s.
+    tuned = next(t for t in tables if "vs anchor's best (95 % CI)" in t)
+    compared = json.loads((ROOT / "results/compare.json").read_text())
+    first = next(iter(compared["anchors"].values()))
+    low, high = next(iter(first.values()))["ci95"]["avg"]
+    assert f"[{100 * low:.1f}, {100 * high:.1f}]" in tuned, tuned
+    not_significant = sum(not s for marks in compared["significant_vs_best"].values() for s in marks["rows"].values())
+    assert tuned.count("n.s.") == not_significant > 0
     assert not errors, errors
     assert requests and all(u == page_path.as_uri() or u.startswith("data:") for u in requests), requests
     assert_png(SCREENSHOT)
