@@ -92,10 +92,11 @@ exp-spec:
 
 # Each experiment's changed params and accuracy metrics side by side (timings are outputs, not
 # metrics: `make timings` lists the last run's).
-# (DVC lists every dependency's hash as a column too: those are dropped, params and metrics kept.)
-METRIC_COLUMNS := '^(?!Experiment$$|Created$$|.*params\.yaml:|.*best\.yaml:|.*results/.*\.json:)'
+# (DVC lists every dependency's hash as a column too, named by its path: those are dropped; params
+# and metrics, named key or file:key, kept.)
+DEP_COLUMNS := '^[^:]*/[^:]*$$'
 metrics: setup
-	.venv/bin/dvc exp show --no-pager --only-changed --md --drop $(METRIC_COLUMNS)
+	.venv/bin/dvc exp show --no-pager --only-changed --md --drop $(DEP_COLUMNS)
 
 .PHONY: timings
 timings: setup
