@@ -40,8 +40,9 @@ def tuned_table(path: Path) -> Table | None:
     try:
         compared = json.loads(path.read_text())
         rows = rows_from_mapping(compared["anchors"])
-        for r in rows:
-            check_scores({**r.test, "dev": r.dev_avg if r.dev_avg is not None else 0.0}, f"anchors.{r.anchor}.{r.method}")
+        for r in rows:   # test per task and average; dev where the row was searched
+            check_scores({**r.test, **({"dev_avg": r.dev_avg} if r.dev_avg is not None else {})},
+                         f"anchors.{r.anchor}.{r.method}")
         # the selection rule's picks on dev (docs/uncertainty.md), where the comparison has them
         chosen = list((compared.get("selected") or {}).values()) or [compared.get("dev_best"), compared.get("dev_best_featcal")]
         picks = {(p["anchor"], p["method"]) for p in chosen if p}

@@ -237,15 +237,12 @@ def with_uncertainty(rows: list[ComparisonRow], models: Mapping[tuple[str, str],
         for row in group:
             correct = test[models[(anchor, row.method)]]
             ci = _pairs(accuracy_intervals(correct, indices, level, model=models[(anchor, row.method)]))
-            vs_best = None
+            vs_best = {"best": best.method, "difference": 0.0, "ci95": [0.0, 0.0], "significant": False}
             if row is not best:
                 d = difference_interval(correct, best_correct, indices, level,
                                         names=(models[(anchor, row.method)], models[(anchor, best.method)])).mean
-                vs_best = {"best": best.method, "difference": d.estimate, "ci95": [d.low, d.high],
-                           "significant": d.significant}
+                vs_best.update(difference=d.estimate, ci95=[d.low, d.high], significant=d.significant)
                 marks[anchor]["rows"][row.method] = d.significant
-            else:
-                vs_best = {"best": best.method, "difference": 0.0, "ci95": [0.0, 0.0], "significant": False}
             out.append(ComparisonRow(**{**asdict(row), "ci95": ci, "vs_best": vs_best}))
     searched = [r for r in rows if r.dev_avg is not None]
     for row in searched:

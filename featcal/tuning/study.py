@@ -106,14 +106,16 @@ def _url(study: optuna.Study) -> str | None:
     return getattr(getattr(storage, "_backend", storage), "url", None)   # optuna caches an RDBStorage
 
 
-def complete_trials(study: optuna.Study) -> list[FrozenTrial]:
+def complete_trials(study: optuna.Study, trials: Sequence[FrozenTrial] | None = None) -> list[FrozenTrial]:
     """The study's complete trials, each checked against what it recorded: a trial's value is the
     mean of its per-task dev scores (`dev`, 6 digits). A stored value that is not (a flipped bit, an
     edit) would make a wrong trial the best, so it is an error naming the trial and the file; a
     file damaged in another way is reported by name too."""
     url = _url(study)
-    with _readable_storage(url):
-        trials = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    if trials is None:   # `trials`: the study's, already read by the caller
+        with _readable_storage(url):
+            trials = study.get_trials(deepcopy=False)
+    trials = [t for t in trials if t.state == TrialState.COMPLETE]
     for trial in trials:
         dev = trial.user_attrs.get("dev")
         if isinstance(dev, dict) and dev and all(isinstance(v, (int, float)) for v in dev.values()):
@@ -434,12 +436,11 @@ def _claim(study: optuna.Study, trials: Sequence[FrozenTrial], enqueue: Mapping[
 
 def summarize(study: optuna.Study) -> dict:
     """Counts, the best trial, the enqueued (default) trial and the trials' wall seconds."""
-    complete_trials(study)   # every recorded value checked before a best is named
     with _readable_storage(_url(study)):
         trials = study.get_trials(deepcopy=False)
     by_state = {s.name.lower(): sum(t.state == s for t in trials) for s in
                 (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL, TrialState.RUNNING)}
-    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    complete = complete_trials(study, trials)   # every recorded value checked before a best is named
     walls = [t.user_attrs["wall_s"] for t in complete if "wall_s" in t.user_attrs]
     calibrating = [t.user_attrs["calibrate_s"] for t in complete if "calibrate_s" in t.user_attrs]
     out: dict = {"study": study.study_name, "trials": by_state}
