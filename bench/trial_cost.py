@@ -4,7 +4,8 @@ Replays the first --trials trials of the Task Arithmetic study of the comparison
 (`task_arithmetic-anchor-featcal` in results/dev_tuning/study.db: TA's scale searched with α, ρ, λ)
 in one process, as `stages/tune.py` runs them: the problem loaded once (setup), then per trial the
 anchor merge with the trial's scale, the calibration (split into the walk's phases:
-`featcal.profiling.phase`) and the dev scoring. Each trial's dev score must equal the one the study
+`featcal.profiling.phase`) and the dev scoring; first without the study's expert input cache, then
+with it (the first trial captures the experts' side of every block, the later ones read it). Each trial's dev score must equal the one the study
 recorded (the replay is the trial). Needs `make repro` and `python stages/tune_anchor.py
 task_arithmetic --rescore` (or the study run) first, for the anchor's merge folder under work/anchors.
 Figures go to results/bench.json (`trial_cost`). Run on an otherwise idle machine:
@@ -32,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))
 from common import enabled_tasks, get, load_params, max_length  # noqa: E402
 
+from featcal.calibration.calibrate import ExpertInputCache  # noqa: E402
 from featcal.calibration.config import FeatCalConfig  # noqa: E402
 from featcal.profiling import phase_times  # noqa: E402
-from featcal.tuning import AnchorSearch, Range, load_problem  # noqa: E402
+from featcal.tuning import DEFAULT_EXPERT_CACHE_MIB, AnchorSearch, Range, load_problem  # noqa: E402
 from featcal.tuning.objective import config_with  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--study-file", default="results/dev_tuning/study.db")
     parser.add_argument("--work", default="work/anchors", help="where tune_anchor keeps the anchor's merge")
     parser.add_argument("--out", default="results/bench.json")
+    parser.add_argument("--expert-cache-mib", type=int, default=DEFAULT_EXPERT_CACHE_MIB,
+                        help="the bound of the cached run's expert input cache")
     args = parser.parse_args()
     folders = sorted(Path(args.work).glob("task_arithmetic-*/merged"))
     if not folders:
@@ -70,32 +74,49 @@ def main() -> None:
     setup_s = time.perf_counter() - start
     base = FeatCalConfig.from_mapping(get(params, "featcal"))
     anchor = AnchorSearch("task_arithmetic", dict(get(params, "merge.options")), {"scale": Range(0.1, 1.0)})
-    rows = []
-    for trial in trials:
-        config = config_with(base, {k: v for k, v in trial.params.items() if not k.startswith(AnchorSearch.PREFIX)})
-        with phase_times() as phases:
-            t0 = time.perf_counter()
-            merged = problem.merged_with(anchor, anchor.options_of(trial.params))
-            t1 = time.perf_counter()
-            backbone = problem.calibrate(config, merged=merged)
-            t2 = time.perf_counter()
-            dev = problem.score(backbone)
-            t3 = time.perf_counter()
-        same = all(round(v, 6) == trial.user_attrs["dev"][t] for t, v in dev.items())
-        rows.append({"trial": trial.number, "merge_s": round(t1 - t0, 2), "calibrate_s": round(t2 - t1, 2),
-                     "score_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2),
-                     "phases_s": {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
-                     "dev_as_recorded": same})
-        print(f"trial {trial.number}: merge {t1 - t0:.1f} s, calibrate {t2 - t1:.1f} s, score dev {t3 - t2:.1f} s "
-              f"(dev as the study recorded: {same})", flush=True)
-        for name, seconds in rows[-1]["phases_s"].items():
-            print(f"    {name:28s} {seconds:7.2f} s {100 * seconds / (t2 - t1):5.1f} % of the calibration")
-    mean = {k: round(statistics.fmean(r[k] for r in rows), 2) for k in ("merge_s", "calibrate_s", "score_s", "total_s")}
-    print(f"setup (once per study): {setup_s:.1f} s; per trial, mean of {len(rows)}: {mean}")
+    modes = {}
+    # side by side in one run: every trial running the experts' side of each block (the cache off),
+    # then the same trials with the study's cache (the first captures, the others read)
+    for mode, cache in (("uncached", None), ("cached", ExpertInputCache(int(args.expert_cache_mib) * 2**20))):
+        problem.expert_inputs = cache
+        print(f"-- {mode}", flush=True)
+        modes[mode] = [replay(problem, base, anchor, trial) for trial in trials]
+    mean = {m: {k: round(statistics.fmean(r[k] for r in rows), 2) for k in ("merge_s", "calibrate_s", "score_s", "total_s")}
+            for m, rows in modes.items()}
+    later = modes["cached"][1:] or modes["cached"]   # the trials after the capturing one
+    ratio = statistics.fmean(r["total_s"] for r in later) / statistics.fmean(r["total_s"] for r in modes["uncached"])
+    cache_mib = round(problem.expert_inputs.nbytes / 2**20, 1)
+    print(f"setup (once per study): {setup_s:.1f} s; per trial, mean of {len(trials)}: {mean}")
+    print(f"expert input cache: {cache_mib} MiB; a trial after the first / a trial without the cache: {ratio:.3f}")
     merge_json(Path(args.out), {"trial_cost": {
         "command": shlex.join(["python", *sys.argv]), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "threads": torch.get_num_threads(), "study": STUDY, "setup_s": round(setup_s, 2), "mean": mean, "trials": rows}})
+        "threads": torch.get_num_threads(), "study": STUDY, "setup_s": round(setup_s, 2), "mean": mean["uncached"],
+        "trials": modes["uncached"], "cached": {"mean": mean["cached"], "trials": modes["cached"],
+                                                "expert_inputs_mib": cache_mib, "later_trial_over_uncached": round(ratio, 3)}}})
     print(f"wrote {args.out}")
+
+
+def replay(problem, base: FeatCalConfig, anchor: AnchorSearch, trial) -> dict:
+    """One recorded trial again: its merge, calibration (by phase) and dev scoring, timed."""
+    config = config_with(base, {k: v for k, v in trial.params.items() if not k.startswith(AnchorSearch.PREFIX)})
+    with phase_times() as phases:
+        t0 = time.perf_counter()
+        merged = problem.merged_with(anchor, anchor.options_of(trial.params))
+        t1 = time.perf_counter()
+        backbone = problem.calibrate(config, merged=merged)
+        t2 = time.perf_counter()
+        dev = problem.score(backbone)
+        t3 = time.perf_counter()
+    same = all(round(v, 6) == trial.user_attrs["dev"][t] for t, v in dev.items())
+    row = {"trial": trial.number, "merge_s": round(t1 - t0, 2), "calibrate_s": round(t2 - t1, 2),
+           "score_s": round(t3 - t2, 2), "total_s": round(t3 - t0, 2),
+           "phases_s": {k: round(v, 2) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
+           "dev_as_recorded": same}
+    print(f"trial {trial.number}: merge {t1 - t0:.1f} s, calibrate {t2 - t1:.1f} s, score dev {t3 - t2:.1f} s "
+          f"(dev as the study recorded: {same})", flush=True)
+    for name, seconds in row["phases_s"].items():
+        print(f"    {name:28s} {seconds:7.2f} s {100 * seconds / (t2 - t1):5.1f} % of the calibration")
+    return row
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ from featcal.calibration.config import FeatCalConfig
 from featcal.evaluation.predictions import recording, write_predictions
 from featcal.io.models import write_json
 from featcal.tuning import (
-    SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem, make_storage, tune,
-    write_best,
+    DEFAULT_EXPERT_CACHE_MIB, SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem,
+    make_storage, tune, write_best,
 )
 from featcal.tuning.study import snapshot_to_sqlite
 
@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
                                    max_length={t: max_length(params, t) for t in tasks},
                                    batch_size=int(get(params, "calibration.batch_size")), merged=args.merged,
                                    experts_dir=args.experts, features=args.features,
-                                   tasks_dir=get(params, "tasks_dir"), seed=int(get(params, "seed")))
+                                   tasks_dir=get(params, "tasks_dir"), seed=int(get(params, "seed")),
+                                   expert_cache_mib=settings.get("expert_cache_mib", DEFAULT_EXPERT_CACHE_MIB))
             if args.method != "featcal":
                 return tune_baseline_and_report(problem, args, storage, study_name, n_trials, params, tasks, anchor)
             # the keys params.yaml gives; StudySettings' own defaults for the rest

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from featcal import merge_models
+from featcal.calibration import calibrate as calibrate_step
 from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.walk import calibrate
 from featcal.families import family_for
@@ -101,6 +102,42 @@ def test_every_entry_point_gives_bit_identical_weights(request, case):
         assert not torch.equal(reference[name], merged_state[name]), name
     if case == "saved_t5":   # the decoder's stored states carry the encoder output they cross-attend to
         assert ".encoder_output/a" in expert_layers[2] and ".encoder_output/a" not in expert_layers[1]
+
+
+@pytest.mark.parametrize("case", ["saved", "saved_t5", "saved_mpnet"])
+def test_a_study_captures_the_experts_block_inputs_once_and_later_trials_read_them(request, case, monkeypatch):
+    """The experts' side of every block is the same in every trial: the first trial captures it, the
+    others run no expert forward and give the weights a problem without the cache gives, bit for bit."""
+    saved = request.getfixturevalue(case)
+    batches = saved["batches"]
+    expert_layers = list(collect_expert_layers({t: saved["root"] / t for t in saved["experts"]}, batches))
+
+    def problem(**kwargs):
+        return TuneProblem(saved["merged"], saved["base"], saved["experts"], batches, lambda k: expert_layers[k], {},
+                           None, **kwargs)
+
+    cached, uncached, bounded = problem(), problem(expert_cache_bytes=0), problem(expert_cache_bytes=1)
+    assert uncached.expert_inputs is None
+    calls = []
+    real = calibrate_step.run_capturing
+    monkeypatch.setattr(calibrate_step, "run_capturing", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    n_blocks = len(family_for(saved["merged"]).blocks(saved["merged"]))
+    per_walk = n_blocks * sum(len(b) for b in batches.values())   # one capture per block, task and batch
+    expert_runs = []
+    for alpha, products in [(0.5, "float64"), (0.8, "float64"), (0.2, "float64"), (0.8, "float32"), (0.3, "float32")]:
+        config = FeatCalConfig(alpha=alpha, calibrate_pooler=True, product_dtype=products)
+        calls.clear()
+        got = cached.calibrate(config).state_dict()
+        experts = list(cached.weights.experts.values())
+        expert_runs.append(sum(any(b is e for e in experts) for b in calls))
+        want, capped = uncached.calibrate(config).state_dict(), bounded.calibrate(config).state_dict()
+        for name in want:
+            assert torch.equal(got[name], want[name]), f"alpha {alpha} {products}: {name}"
+            assert torch.equal(capped[name], want[name]), f"bounded cache, alpha {alpha} {products}: {name}"
+    # each precision captures once (a float64 walk keeps its W x rows in float64), then reads
+    assert expert_runs == [per_walk, 0, 0, per_walk, 0]
+    assert len(cached.expert_inputs) == 2 * n_blocks and cached.expert_inputs.nbytes > 0
+    assert len(bounded.expert_inputs) == 0 and bounded.expert_inputs.skipped == set(range(n_blocks))
 
 
 def test_bfloat16_cached_states_change_the_weights_only_slightly(saved):

@@ -87,6 +87,39 @@ def run_capturing(
     return captured, out
 
 
+class ExpertInputCache:
+    """The experts' captured module inputs (`run_capturing`'s dicts) per block, kept across walks.
+
+    A tuning study's trials walk the same experts over the same calibration batches, so the experts'
+    side of every block is the same in every trial: captured in the first walk, read in the others
+    (`calibrate_block`). Keyed by block and product dtype (a float64 walk keeps its W x rows in
+    float64). `max_bytes` bounds what is held; a block that would pass it is not kept, and its
+    experts run in every walk. `nbytes`: the memory held (distinct storages).
+    """
+
+    def __init__(self, max_bytes: int | None = None):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self.skipped: set[int] = set()
+        self._blocks: dict[tuple[int, torch.dtype], dict[str, list[dict[str, Tensor]]]] = {}
+
+    def get(self, index: int, dtype: torch.dtype) -> dict[str, list[dict[str, Tensor]]] | None:
+        return self._blocks.get((index, dtype))
+
+    def put(self, index: int, dtype: torch.dtype, captured: dict[str, list[dict[str, Tensor]]]) -> None:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for batches in captured.values() for batch in batches for t in batch.values()}
+        size = sum(storages.values())
+        if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
+            self.skipped.add(index)
+            return
+        self._blocks[(index, dtype)] = captured
+        self.nbytes += size
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
 def projected_key(name: str) -> str:
     return f"{name}:W x"
 
@@ -308,6 +341,7 @@ def calibrate_block(
     reduce_sums: SumReducer | None = None,
     release_memory: bool = False,
     measure_drift: bool = True,
+    expert_inputs: ExpertInputCache | None = None,
 ) -> BlockResult:
     """Calibrate block `index` of the student backbone in place, and advance both streams.
 
@@ -318,7 +352,14 @@ def calibrate_block(
     OS before and after the solve (`featcal.profiling.trim_heap`): a lower peak RSS for a process
     that walks one block, at ~0.1 s a trim in pages faulted back in. `measure_drift=False` skips the
     drift to the experts (a tuning trial reads its dev score only: ~6 % of a trial's calibration).
+    `expert_inputs` (a tuning study's, `ExpertInputCache`): the experts' module inputs on this block do
+    not depend on the trial, so they are captured once and read back in later walks; where it holds
+    this block, `expert_streams` may be empty and no expert forward runs (nor advances: the walk's
+    experts must come from a cache, and the drift is not measured).
     """
+    cached = None if expert_inputs is None else expert_inputs.get(index, config.products)
+    if expert_inputs is not None and measure_drift:
+        raise ValueError("an expert input cache skips the experts' block outputs: use it with measure_drift=False")
     block = family.blocks(student_backbone)[index]
     base_block = family.blocks(base_backbone)[index]
     modules = family.calibrated_modules(block)
@@ -326,6 +367,7 @@ def calibrate_block(
     moments: dict[str, dict[str, Moments]] = {name: {} for name in modules}
     projected = [name for name, module in modules.items() if projects_cross(module)]
     expert_next: dict[str, list[Stream]] = {}
+    captured: dict[str, list[dict[str, Tensor]]] = {}
     for task, streams in student_streams.items():
         if task not in expert_blocks:
             raise KeyError(f"calibration data for task {task!r} but no expert for it")
@@ -333,18 +375,32 @@ def calibrate_block(
             raise ValueError(f"block {index}: task {task!r} has no calibration batches")
         per_task: dict[str, Moments] = {}
         expert_next[task] = []
-        for s, e in zip(streams, expert_streams.pop(task), strict=True):
+        if cached is not None and task not in cached:
+            raise KeyError(f"block {index}: the expert input cache holds tasks {sorted(cached)}, not {task!r}")
+        expert_batches = cached[task] if cached is not None else expert_streams.pop(task)
+        if len(expert_batches) != len(streams):
+            source = "the expert input cache holds" if cached is not None else "the experts' streams hold"
+            raise ValueError(f"block {index}: task {task!r} has {len(streams)} calibration batches; "
+                             f"{source} {len(expert_batches)}")
+        for s, e in zip(streams, expert_batches):
             with phase("capture forwards"):
                 xs, _ = run_capturing(family, student_backbone, index, block, modules, s)
-                xe, e_out = run_capturing(family, expert_backbones[task], index, expert_blocks[task], modules, e,
-                                          projected, config.products)
+                if cached is not None:
+                    xe = e   # this block's module inputs, captured in an earlier walk
+                else:
+                    xe, e_out = run_capturing(family, expert_backbones[task], index, expert_blocks[task], modules, e,
+                                              projected, config.products)
+                    expert_next[task].append(e_out)
+                    if expert_inputs is not None:
+                        captured.setdefault(task, []).append(xe)
             with phase("moments"):
                 accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight,
                                          config.products)
-            expert_next[task].append(e_out)
         for name in modules:
             if name in per_task:
                 moments[name][task] = per_task[name]
+    if expert_inputs is not None and cached is None:
+        expert_inputs.put(index, config.products, captured)
     if reduce_moments is not None:
         with phase("reduce across processes"):
             moments = reduce_moments(moments, modules)

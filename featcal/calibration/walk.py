@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from featcal.calibration.calibrate import (
-    BlockResult, calibrate_block, calibrate_pooler, CalibrationResult, check_tasks, enter_streams, LayerDrift, ModuleReport,
+    BlockResult, calibrate_block, calibrate_pooler, CalibrationResult, check_tasks, enter_streams, ExpertInputCache,
+    LayerDrift, ModuleReport,
     MomentReducer, student_backbone, SumReducer,
 )
 from featcal.calibration.config import FeatCalConfig, resolve_device
@@ -224,14 +225,19 @@ def walk(
     desc: str = "featcal",
     release_memory: bool = False,
     measure_drift: bool = True,
+    expert_inputs: ExpertInputCache | None = None,
 ) -> WalkResult:
     """Calibrate blocks `start`..`stop`−1 of the `student` backbone in place, in forward order.
 
     `student_in` are the student's streams entering block `start`. When the walk reaches the end of
     the model and `config.calibrate_pooler` is set, the pooler follows as a last pseudo-layer.
     `on_block(k, result)` sees each block's result (moments, updates) before it is dropped.
-    `release_memory`: see `calibrate_block` (the calibrate-layer stage sets it).
+    `release_memory`: see `calibrate_block` (the calibrate-layer stage sets it). `expert_inputs`: the
+    experts' module inputs kept across walks (a tuning study's; with cached expert states only): a block
+    it holds reads no expert state and runs no expert forward.
     """
+    if expert_inputs is not None and not isinstance(experts, CachedExpertStates):
+        raise ValueError("an expert input cache needs the experts' states from a cache (CachedExpertStates)")
     n_blocks = len(family.blocks(student))
     stop = n_blocks if stop is None else stop
     if not 0 <= start < stop <= n_blocks:
@@ -241,11 +247,12 @@ def walk(
     out = WalkResult(student=student_in)
     for index in tqdm(range(start, stop), desc=desc, unit="layer", disable=not progress):
         with weights.block(index) as (base_bb, expert_bbs):
-            expert_in = experts.at(index, out.student, expert_bbs)
+            held = expert_inputs is not None and expert_inputs.get(index, config.products) is not None
+            expert_in = {} if held else experts.at(index, out.student, expert_bbs)
             result = calibrate_block(
                 family, index, student, base_bb, expert_bbs, out.student, expert_in, config,
                 last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
-                release_memory=release_memory, measure_drift=measure_drift,
+                release_memory=release_memory, measure_drift=measure_drift, expert_inputs=expert_inputs,
             )
         if on_block is not None:
             on_block(index, result)

@@ -7,7 +7,7 @@ claims trials) imports optuna, not torch."""
 from featcal import _lazy_exports
 
 _FROM = {
-    **dict.fromkeys(("AnchorSearch", "DevSplit", "Range", "SearchSpace", "TuneProblem", "drop_calibration_overlap", "load_problem",
+    **dict.fromkeys(("AnchorSearch", "DEFAULT_EXPERT_CACHE_MIB", "DevSplit", "Range", "SearchSpace", "TuneProblem", "drop_calibration_overlap", "load_problem",
                      "make_objective"), "featcal.tuning.objective"),
     **dict.fromkeys(("DEFAULT_STUDY", "ClaimLock", "StudyMismatchError", "StudySettings", "StudyStorageError",
                      "TuneOutcome", "best_values", "copy_to_sqlite", "count_trials", "make_storage", "open_study",

@@ -26,6 +26,7 @@ import torch
 from optuna.trial import Trial
 from torch import Tensor, nn
 
+from featcal.calibration.calibrate import ExpertInputCache
 from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
 from featcal.data.splits import TaskSplit, arrays_by_task, batches_from_arrays, read_split
 from featcal.evaluation.scoring import score_backbone
@@ -126,6 +127,9 @@ class SearchSpace:
         return all(values[k] in r for k, r in self.ranges.items())
 
 
+# what the experts' captured block inputs may hold in a study by default (the demo's take ~4.5 GiB)
+DEFAULT_EXPERT_CACHE_MIB = 8192
+
 # the needs of a data merge a TuneProblem supplies from what it holds (`TuneProblem.merge_context`)
 SUPPLIED_NEEDS = frozenset({"activations", "dev_scores", "shared_examples"})
 
@@ -206,7 +210,9 @@ def drop_calibration_overlap(split: TaskSplit, encoder: InputEncoder, max_length
 
 class TuneProblem:
     """Everything a trial needs, loaded once: the merged backbone (never modified), the base, the
-    experts, the calibration batches, the experts' cached states per block and the dev splits;
+    experts, the calibration batches, the experts' cached states per block, their module inputs per
+    block once a trial has captured them (`expert_cache_bytes` bounds that memory: None unbounded,
+    0 off) and the dev splits;
     `train_batches(n)` gives a data anchor (RegMean inside SigMerge) the merge stage's train sample."""
 
     def __init__(
@@ -220,6 +226,7 @@ class TuneProblem:
         encoder: InputEncoder,
         family: Family | None = None,
         train_batches: Callable[[int], Mapping[str, Sequence[Mapping[str, Tensor]]]] | None = None,
+        expert_cache_bytes: int | None = None,
     ):
         self.family = family or family_for(merged)
         self.merged = self.family.backbone(merged).eval()
@@ -240,6 +247,8 @@ class TuneProblem:
         self._merge_caches: dict[tuple, dict] = {}        # (method, data options) -> MergeContext.cache
         self._train_batches = train_batches               # n -> each task's first n train examples, batched
         self._train_of: dict[int, Mapping[str, Sequence[Mapping[str, Tensor]]]] = {}
+        # the experts' module inputs of every block, captured in the first trial (None: every trial runs them)
+        self.expert_inputs = ExpertInputCache(expert_cache_bytes) if expert_cache_bytes != 0 else None
 
     def states(self, layer: int) -> Mapping[str, Tensor]:
         if layer not in self._states:
@@ -311,7 +320,7 @@ class TuneProblem:
 
         walk_all(self.family, backbone, self.weights, self.batches, config,   # a trial reads its dev score, no drift
                  expert_states=CachedExpertStates(self.family, self.states), on_block=on_block, progress=False,
-                 measure_drift=False)
+                 measure_drift=False, expert_inputs=self.expert_inputs)
         return backbone
 
     @torch.no_grad()
@@ -382,11 +391,12 @@ def leading_examples(batches: Sequence[Mapping[str, Tensor]], n: int) -> list[di
 def load_problem(
     *, base: str, tasks: Sequence[str], max_length: Mapping[str, int], batch_size: int,
     merged: str | os.PathLike, experts_dir: str | os.PathLike, features: str | os.PathLike,
-    tasks_dir: str | os.PathLike, seed: int = 0,
+    tasks_dir: str | os.PathLike, seed: int = 0, expert_cache_mib: int | None = DEFAULT_EXPERT_CACHE_MIB,
 ) -> TuneProblem:
     """Load a problem from files: `merged` (multi-task folder), `experts_dir/<task>`, the
     expert-feature caches `features/{inputs,layer_XX}.zarr` and `tasks_dir/<task>/dev.parquet`;
-    a data anchor's train batches are the merge stage's (`tasks_dir`'s train split, `seed`)."""
+    a data anchor's train batches are the merge stage's (`tasks_dir`'s train split, `seed`).
+    `expert_cache_mib`: the memory the experts' captured block inputs may take (TuneProblem)."""
     features = Path(features)
     encoder = load_encoder(str(merged))
     inputs = read_group(features / "inputs.zarr")
@@ -416,7 +426,8 @@ def load_problem(
 
     experts = {t: load_classifier(str(Path(experts_dir) / t)) for t in tasks}
     return TuneProblem(load_backbone(str(merged)), load_backbone(base, like=experts[tasks[0]]), experts,
-                       batches, expert_states, dev, encoder, train_batches=train_batches)
+                       batches, expert_states, dev, encoder, train_batches=train_batches,
+                       expert_cache_bytes=None if expert_cache_mib is None else int(expert_cache_mib) * 2**20)
 
 
 # --- the objective -------------------------------------------------------------------------------------
@@ -448,6 +459,8 @@ def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig
         start = time.perf_counter()
         backbone = problem.calibrate(config, after_block if prune_after else None, merged)
         trial.set_user_attr("calibrate_s", round(time.perf_counter() - start, 3))
+        if problem.expert_inputs is not None:   # the memory the experts' side takes, once captured
+            trial.set_user_attr("expert_inputs_mib", round(problem.expert_inputs.nbytes / 2**20, 1))
         start = time.perf_counter()
         scores = problem.score(backbone)
         trial.set_user_attr("score_s", round(time.perf_counter() - start, 3))
