@@ -10,12 +10,13 @@ recorded (the replay is the trial). Needs `make repro` and `python stages/tune_a
 task_arithmetic --rescore` (or the study run) first, for the anchor's merge folder under work/anchors.
 Figures go to results/bench.json (`trial_cost`). Run on an otherwise idle machine:
 
-    python bench/trial_cost.py --trials 3
+    python bench/trial_cost.py --trials 3 [--trial-product-dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import shlex
 import shutil
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--study-file", default="results/dev_tuning/study.db")
     parser.add_argument("--work", default="work/anchors", help="where tune_anchor keeps the anchor's merge")
     parser.add_argument("--out", default="results/bench.json")
+    parser.add_argument("--trial-product-dtype", choices=["float32"],
+                        help="also replay with the reduced-precision search's moment products (and the cache)")
     parser.add_argument("--expert-cache-mib", type=int, default=DEFAULT_EXPERT_CACHE_MIB,
                         help="the bound of the cached run's expert input cache")
     args = parser.parse_args()
@@ -77,22 +80,38 @@ def main() -> None:
     modes = {}
     # side by side in one run: every trial running the experts' side of each block (the cache off),
     # then the same trials with the study's cache (the first captures, the others read)
-    for mode, cache in (("uncached", None), ("cached", ExpertInputCache(int(args.expert_cache_mib) * 2**20))):
-        problem.expert_inputs = cache
+    # (--trial-product-dtype float32: then the same with the reduced-precision search's products too)
+    runs = [("uncached", False, base), ("cached", True, base)]
+    if args.trial_product_dtype:   # a cache of its own: the float64 one is let go first
+        runs.append((f"cached_{args.trial_product_dtype}", True,
+                     dataclasses.replace(base, product_dtype=args.trial_product_dtype)))
+    held_mib = {}
+    for mode, cached, config in runs:
+        problem.expert_inputs = None
+        problem.expert_inputs = ExpertInputCache(int(args.expert_cache_mib) * 2**20) if cached else None
         print(f"-- {mode}", flush=True)
-        modes[mode] = [replay(problem, base, anchor, trial) for trial in trials]
+        modes[mode] = [replay(problem, config, anchor, trial) for trial in trials]
+        if cached:
+            held_mib[mode] = round(problem.expert_inputs.nbytes / 2**20, 1)
     mean = {m: {k: round(statistics.fmean(r[k] for r in rows), 2) for k in ("merge_s", "calibrate_s", "score_s", "total_s")}
             for m, rows in modes.items()}
     later = modes["cached"][1:] or modes["cached"]   # the trials after the capturing one
-    ratio = statistics.fmean(r["total_s"] for r in later) / statistics.fmean(r["total_s"] for r in modes["uncached"])
-    cache_mib = round(problem.expert_inputs.nbytes / 2**20, 1)
+    uncached_s = statistics.fmean(r["total_s"] for r in modes["uncached"])
+    ratio = statistics.fmean(r["total_s"] for r in later) / uncached_s
+    reduced = {m: {"mean": mean[m], "trials": rows, "expert_inputs_mib": held_mib[m],
+                   "later_trial_over_uncached": round(statistics.fmean(r["total_s"] for r in (rows[1:] or rows)) / uncached_s, 3)}
+               for m, rows in modes.items() if m not in ("uncached", "cached")}
+    for m, row in reduced.items():
+        print(f"{m}: a trial after the first / a trial without the cache: {row['later_trial_over_uncached']:.3f} "
+              "(its dev scores: float32 products', compared with the study's float64 ones above)")
+    cache_mib = held_mib["cached"]
     print(f"setup (once per study): {setup_s:.1f} s; per trial, mean of {len(trials)}: {mean}")
     print(f"expert input cache: {cache_mib} MiB; a trial after the first / a trial without the cache: {ratio:.3f}")
     merge_json(Path(args.out), {"trial_cost": {
         "command": shlex.join(["python", *sys.argv]), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(), "study": STUDY, "setup_s": round(setup_s, 2), "mean": mean["uncached"],
         "trials": modes["uncached"], "cached": {"mean": mean["cached"], "trials": modes["cached"],
-                                                "expert_inputs_mib": cache_mib, "later_trial_over_uncached": round(ratio, 3)}}})
+                                                "expert_inputs_mib": cache_mib, "later_trial_over_uncached": round(ratio, 3)}, **reduced}})
     print(f"wrote {args.out}")
 
 

@@ -211,8 +211,8 @@ def drop_calibration_overlap(split: TaskSplit, encoder: InputEncoder, max_length
 class TuneProblem:
     """Everything a trial needs, loaded once: the merged backbone (never modified), the base, the
     experts, the calibration batches, the experts' cached states per block, their module inputs per
-    block once a trial has captured them (`expert_cache_bytes` bounds that memory: None unbounded,
-    0 off) and the dev splits;
+    block once a trial has captured them (`expert_cache_bytes` bounds that memory, 8 GiB by default;
+    None unbounded, 0 off) and the dev splits;
     `train_batches(n)` gives a data anchor (RegMean inside SigMerge) the merge stage's train sample."""
 
     def __init__(
@@ -226,7 +226,7 @@ class TuneProblem:
         encoder: InputEncoder,
         family: Family | None = None,
         train_batches: Callable[[int], Mapping[str, Sequence[Mapping[str, Tensor]]]] | None = None,
-        expert_cache_bytes: int | None = None,
+        expert_cache_bytes: int | None = DEFAULT_EXPERT_CACHE_MIB * 2**20,
     ):
         self.family = family or family_for(merged)
         self.merged = self.family.backbone(merged).eval()
