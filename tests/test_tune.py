@@ -152,8 +152,10 @@ def test_second_run_adds_only_the_new_trials(project, monkeypatch):
     defaults = yaml.safe_load((project / "params.yaml").read_text())["featcal"]
     assert before[0].params == {k: defaults[k] for k in ("alpha", "rho", "ridge")}   # params.yaml's values go first
     assert all(t.user_attrs["wall_s"] > 0 and set(t.user_attrs["dev"]) == {"sentiment", "topic"} for t in before)
+    # the stage keeps the experts' block inputs for later trials (tune.expert_cache_mib's default) and says how much
+    assert before[0].user_attrs["expert_inputs_mib"] == before[1].user_attrs["expert_inputs_mib"] > 0
 
-    edit_params(project, tune__n_trials=4)
+    edit_params(project, tune__n_trials=4, tune__expert_cache_mib=0)   # off: the same trials, no cache
     second = run([*DVC, "repro", "tune"], project)
     assert stages_run(second) == {"tune@dev"}, second
     assert "ran 2 new trials [2, 3]" in second, second
@@ -161,6 +163,7 @@ def test_second_run_adds_only_the_new_trials(project, monkeypatch):
     assert len(after) == 4 and all(t.state == TrialState.COMPLETE for t in after)
     for old, new in zip(before, after):                       # the first two were not run again
         assert (old.params, old.value, old.datetime_start) == (new.params, new.value, new.datetime_start)
+    assert all("expert_inputs_mib" not in t.user_attrs for t in after[2:])
     summary = json.loads((project / "results/tune.json").read_text())
     assert summary["trials"]["complete"] == 4 and summary["ran_now"] == 2 and summary["trial_wall_s"]["mean"] > 0
 
