@@ -5,8 +5,8 @@ Replays the first --trials trials of the Task Arithmetic study of the comparison
 in one process, as `stages/tune.py` runs them: the problem loaded once (setup), then per trial the
 anchor merge with the trial's scale, the calibration (split into the walk's phases:
 `featcal.profiling.phase`) and the dev scoring; first without the study's expert input cache, then
-with it (the first trial captures the experts' side of every block, the later ones read it). Each trial's dev score must equal the one the study
-recorded (the replay is the trial). Needs `make repro` and `python stages/tune_anchor.py
+with it (the first trial captures the experts' side of every block, the later ones read it). Each
+trial's dev score must equal the one the study recorded (the replay is the trial). Needs `make repro` and `python stages/tune_anchor.py
 task_arithmetic --rescore` (or the study run) first, for the anchor's merge folder under work/anchors.
 Figures go to results/bench.json (`trial_cost`). Run on an otherwise idle machine:
 
@@ -85,33 +85,29 @@ def main() -> None:
     if args.trial_product_dtype:   # a cache of its own: the float64 one is let go first
         runs.append((f"cached_{args.trial_product_dtype}", True,
                      dataclasses.replace(base, product_dtype=args.trial_product_dtype)))
-    held_mib = {}
+    cached_runs = {}   # mode -> what a cached run held and how its later trials compare
     for mode, cached, config in runs:
-        problem.expert_inputs = None
         problem.expert_inputs = ExpertInputCache(int(args.expert_cache_mib) * 2**20) if cached else None
         print(f"-- {mode}", flush=True)
         modes[mode] = [replay(problem, config, anchor, trial) for trial in trials]
         if cached:
-            held_mib[mode] = round(problem.expert_inputs.nbytes / 2**20, 1)
+            cached_runs[mode] = {"expert_inputs_mib": round(problem.expert_inputs.nbytes / 2**20, 1)}
     mean = {m: {k: round(statistics.fmean(r[k] for r in rows), 2) for k in ("merge_s", "calibrate_s", "score_s", "total_s")}
             for m, rows in modes.items()}
-    later = modes["cached"][1:] or modes["cached"]   # the trials after the capturing one
     uncached_s = statistics.fmean(r["total_s"] for r in modes["uncached"])
-    ratio = statistics.fmean(r["total_s"] for r in later) / uncached_s
-    reduced = {m: {"mean": mean[m], "trials": rows, "expert_inputs_mib": held_mib[m],
-                   "later_trial_over_uncached": round(statistics.fmean(r["total_s"] for r in (rows[1:] or rows)) / uncached_s, 3)}
-               for m, rows in modes.items() if m not in ("uncached", "cached")}
-    for m, row in reduced.items():
-        print(f"{m}: a trial after the first / a trial without the cache: {row['later_trial_over_uncached']:.3f} "
-              "(its dev scores: float32 products', compared with the study's float64 ones above)")
-    cache_mib = held_mib["cached"]
+    for mode, run in cached_runs.items():
+        later = modes[mode][1:] or modes[mode]   # the trials after the capturing one
+        run.update(mean=mean[mode], trials=modes[mode],
+                   later_trial_over_uncached=round(statistics.fmean(r["total_s"] for r in later) / uncached_s, 3))
     print(f"setup (once per study): {setup_s:.1f} s; per trial, mean of {len(trials)}: {mean}")
-    print(f"expert input cache: {cache_mib} MiB; a trial after the first / a trial without the cache: {ratio:.3f}")
+    for mode, run in cached_runs.items():
+        print(f"{mode}: expert input cache {run['expert_inputs_mib']} MiB; a trial after the first / a trial "
+              f"without the cache: {run['later_trial_over_uncached']:.3f}"
+              + ("" if mode == "cached" else " (dev scores: float32 products', against the study's float64 ones)"))
     merge_json(Path(args.out), {"trial_cost": {
         "command": shlex.join(["python", *sys.argv]), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(), "study": STUDY, "setup_s": round(setup_s, 2), "mean": mean["uncached"],
-        "trials": modes["uncached"], "cached": {"mean": mean["cached"], "trials": modes["cached"],
-                                                "expert_inputs_mib": cache_mib, "later_trial_over_uncached": round(ratio, 3)}, **reduced}})
+        "trials": modes["uncached"], **cached_runs}})
     print(f"wrote {args.out}")
 
 
