@@ -122,6 +122,19 @@ def tiny_mpnet(seed: int = 0, layers: int = 2, *, vocab: int = 60, hidden: int =
     return MPNetForSequenceClassification(cfg).eval()
 
 
+def tiny_causal_lm(model_type: str, seed: int = 0, layers: int = 2, *, vocab: int = 60, hidden: int = 24):
+    """A seeded random Llama-like causal LM ('llama', 'qwen2' or 'mistral'): grouped-query attention
+    (4 heads, 2 key/value heads), tied embeddings, pad 0; Mistral with a 4-token sliding window."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(seed)
+    extra = {"sliding_window": 4} if model_type == "mistral" else {}
+    cfg = AutoConfig.for_model(model_type, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * hidden,
+                               max_position_embeddings=64, pad_token_id=0, tie_word_embeddings=True, **extra)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
 def tiny_t5(seed: int = 0, encoder_layers: int = 2, decoder_layers: int = 2, *, vocab: int = 60,
             num_labels: int = 2) -> T5ForSequenceClassification:
     """A seeded random T5 sequence classifier (pad 0, EOS 1, the decoder starting from 0), in eval mode."""

@@ -123,6 +123,23 @@ def llama() -> nn.Module:
     ))
 
 
+def llama_like(config_class: type, task_class: type, **extra) -> Callable[[], nn.Module]:
+    """A tiny Llama-like decoder of another model type (GQA), as the task model `task_class`."""
+    def build() -> nn.Module:
+        return task_class(config_class(
+            vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            num_key_value_heads=2, intermediate_size=FFN, max_position_embeddings=64, pad_token_id=PAD, **extra,
+        ))
+    return build
+
+
+# Qwen2: q/k/v biases; the causal LMs tie the LM head to the embeddings; Mistral's window (4) is
+# shorter than the batches (8 tokens), so its mask is not the plain causal one
+qwen2 = llama_like(tf.Qwen2Config, tf.Qwen2ForSequenceClassification, num_labels=3)
+qwen2_causal_lm = llama_like(tf.Qwen2Config, tf.Qwen2ForCausalLM, tie_word_embeddings=True)
+mistral_causal_lm = llama_like(tf.MistralConfig, tf.MistralForCausalLM, sliding_window=4, tie_word_embeddings=True)
+
+
 def t5_config() -> tf.T5Config:
     return tf.T5Config(
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=8, num_heads=HEADS, d_ff=FFN, num_layers=LAYERS,
@@ -169,6 +186,19 @@ CASES = {
         "llama", seeded(llama), lambda seed, task: text_batch(seed, [8, 5, 2, 6], 8, task),
         head=lambda m, f: m.score(f), full_head=lambda m, b: m(**b).logits,
     ),
+    "qwen2": Case(
+        "llama", seeded(qwen2), lambda seed, task: text_batch(seed, [8, 5, 2, 6], 8, task),
+        head=lambda m, f: m.score(f), full_head=lambda m, b: m(**b).logits,
+    ),
+    # causal LMs: every real token is a feature; the LM head reads norm(h) at each (mean-pooled here)
+    "qwen2-causal-lm": Case(
+        "llama", seeded(qwen2_causal_lm), lambda seed, task: text_batch(seed, [8, 5, 2, 6], 8, task),
+        head=lambda m, f: m.lm_head(f), full_head=lambda m, b: mean_over_tokens(m(**b).logits, b),
+    ),
+    "mistral-causal-lm": Case(
+        "llama", seeded(mistral_causal_lm), lambda seed, task: text_batch(seed, [8, 5, 2, 6], 8, task),
+        head=lambda m, f: m.lm_head(f), full_head=lambda m, b: mean_over_tokens(m(**b).logits, b),
+    ),
     "t5": Case(
         "t5", seeded(t5), lambda seed, task: text_batch(seed, [7, 4, 6, 3], 7, task, eos=True),
         head=lambda m, f: m.classification_head(f), full_head=lambda m, b: m(**b).logits,
@@ -184,6 +214,13 @@ EXTRA_REPLAY_CASES = {
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
+
+
+def mean_over_tokens(logits: Tensor, batch: dict[str, Tensor]) -> Tensor:
+    """[B, T, V] → [B, V], averaged over each row's real tokens (the LM head is linear, so this is
+    the head applied to the mean-pooled features)."""
+    m = batch["attention_mask"].to(logits.dtype)[..., None]
+    return (logits * m).sum(1) / m.sum(1)
 
 
 def replay(family: Family, backbone: nn.Module, batch: dict[str, Tensor]) -> Stream:
@@ -386,13 +423,30 @@ def test_llama_pools_the_rightmost_non_pad_token() -> None:
     assert "cache" not in right.kwargs and {"attention_mask", "position_embeddings"} <= set(right.kwargs)
 
 
+def test_a_causal_lm_matches_every_real_token_and_a_classifier_its_last(tmp_path) -> None:
+    """Llama, Qwen2 and Mistral are one family; its causal-LM variant pools nothing (the last block's
+    moments weigh every real token alike), also for a bare decoder saved from a causal LM."""
+    batch = CASES["qwen2"].batch(0, 0)
+    classifier = family_for(CASES["qwen2"].build())
+    assert classifier is FAMILIES["qwen2"] is FAMILIES["mistral"] is FAMILIES["llama"]
+    assert classifier.enter(classifier.backbone(CASES["qwen2"].build()), batch).pooled_index.tolist() == [7, 4, 1, 5]
+    for key in ("qwen2-causal-lm", "mistral-causal-lm"):
+        model = CASES[key].build()
+        family = family_for(model)
+        assert family is not classifier and family.name == "llama"
+        assert family.enter(family.backbone(model), batch).pooled_index is None
+        model.save_pretrained(tmp_path / key)
+        assert family_for(tf.AutoModel.from_pretrained(tmp_path / key)) is family
+    assert family_for(tf.Qwen2Model(CASES["qwen2"].build().config)) is classifier
+
+
 def test_unknown_architecture_is_refused_with_the_supported_list() -> None:
     model = tf.GPT2Model(tf.GPT2Config(n_embd=HIDDEN, n_layer=1, n_head=HEADS, vocab_size=VOCAB, n_positions=16))
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'") as info:
         family_for(model)
-    for model_type in ("bert", "vit", "clip_vision_model", "llama", "t5"):
+    for model_type in ("bert", "vit", "clip_vision_model", "llama", "qwen2", "mistral", "t5"):
         assert model_type in str(info.value)
-    assert {"bert", "vit", "clip_vision_model", "llama", "t5"} <= set(FAMILIES)
+    assert {"bert", "vit", "clip_vision_model", "llama", "qwen2", "mistral", "t5"} <= set(FAMILIES)
 
 
 # --- 2. FeatCal lowers drift to the experts on every family, and the result round-trips ----------------

@@ -16,7 +16,7 @@ from featcal.calibration.lazy import calibrate_lazy
 from featcal.io.feature_store import StoreFormat, read_group, write_group
 from featcal.tuning import TuneProblem
 from featcal.calibration.walk import ModuleWeights, walk_all
-from conftest import batches_for, perturbed, save_models, tiny_bert, tiny_mpnet, tiny_t5, with_eos
+from conftest import batches_for, perturbed, save_models, tiny_bert, tiny_causal_lm, tiny_mpnet, tiny_t5, with_eos
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,30 @@ def saved_mpnet(tmp_path_factory):
     return dict(root=root, base=base, experts=experts, merged=merged, batches=batches_for(experts, n_batches=2))
 
 
+def saved_causal_lm(tmp_path_factory, model_type):
+    """Three decoder blocks of a causal LM (tied embeddings, GQA; Qwen2's q/k/v biases, Mistral's
+    sliding window): every real token is a feature, none pooled."""
+    root = tmp_path_factory.mktemp(f"walk_{model_type}")
+    base = tiny_causal_lm(model_type, layers=3)
+    experts = {t: perturbed(base, i + 2, scale=0.005) for i, t in enumerate("ab")}
+    merged = merge_models(base, experts, "task_arithmetic", {"scale": 0.3})
+    save_models(root, {"base": base, "merged": merged, **experts})
+    return dict(root=root, base=base, experts=experts, merged=merged, batches=batches_for(experts, n_batches=2))
+
+
+@pytest.fixture(scope="module")
+def saved_qwen2(tmp_path_factory):
+    return saved_causal_lm(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="module")
+def saved_mistral(tmp_path_factory):
+    return saved_causal_lm(tmp_path_factory, "mistral")
+
+
+ENTRY_POINT_CASES = ["saved", "saved_t5", "saved_mpnet", "saved_qwen2", "saved_mistral"]
+
+
 def chain(saved, config, fmt=StoreFormat("float32")):
     """What the calibrate-layer chain does: each block a separate step, states through zarr stores."""
     root, batches = saved["root"], saved["batches"]
@@ -70,7 +94,7 @@ def chain(saved, config, fmt=StoreFormat("float32")):
     return state
 
 
-@pytest.mark.parametrize("case", ["saved", "saved_t5", "saved_mpnet"])
+@pytest.mark.parametrize("case", ENTRY_POINT_CASES)
 def test_every_entry_point_gives_bit_identical_weights(request, case):
     saved = request.getfixturevalue(case)
     config = FeatCalConfig(calibrate_pooler=True)
@@ -85,7 +109,8 @@ def test_every_entry_point_gives_bit_identical_weights(request, case):
     tuned = problem.calibrate(config).state_dict()
     per_layer = chain(saved, config)
 
-    calibrated = [n for n in reference if n.startswith(("encoder.layer.", "pooler.", "encoder.block.", "decoder.block."))]
+    calibrated = [n for n in reference
+                  if n.startswith(("encoder.layer.", "pooler.", "encoder.block.", "decoder.block.", "layers."))]
     assert len(per_layer) == len(calibrated)
     for name in reference:
         assert torch.equal(lazy[name], reference[name]), f"lazy: {name}"
@@ -97,7 +122,9 @@ def test_every_entry_point_gives_bit_identical_weights(request, case):
     moved = {"saved": ["pooler.dense.weight", "encoder.layer.1.output.dense.weight"],
              "saved_t5": ["encoder.block.1.layer.1.DenseReluDense.wo.weight",
                           "decoder.block.1.layer.1.EncDecAttention.v.weight"],
-             "saved_mpnet": ["encoder.layer.2.attention.attn.q.weight", "encoder.layer.1.output.dense.weight"]}[case]
+             "saved_mpnet": ["encoder.layer.2.attention.attn.q.weight", "encoder.layer.1.output.dense.weight"],
+             "saved_qwen2": ["layers.2.self_attn.q_proj.bias", "layers.1.mlp.down_proj.weight"],
+             "saved_mistral": ["layers.2.self_attn.k_proj.weight", "layers.0.post_attention_layernorm.weight"]}[case]
     for name in moved:
         assert not torch.equal(reference[name], merged_state[name]), name
     if case == "saved_t5":   # the decoder's stored states carry the encoder output they cross-attend to

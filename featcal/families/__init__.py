@@ -34,7 +34,7 @@ def family_for(model: nn.Module) -> Family:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type in FAMILIES:
-        return FAMILIES[model_type]
+        return FAMILIES[model_type].for_model(model)
     supported = ", ".join(sorted(FAMILIES))
     raise ValueError(
         f"unsupported architecture {model_type!r} ({type(model).__name__}); "

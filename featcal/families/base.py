@@ -100,6 +100,10 @@ class Family:
     model_types: tuple[str, ...] = ()
     pooling: str = "cls"  # "cls", "mean" or "last"
 
+    def for_model(self, model: nn.Module) -> "Family":
+        """The variant of this family for `model`'s task (Llama-like decoders: classifier or causal LM)."""
+        return self
+
     # --- structure -------------------------------------------------------------------------
     def backbone(self, model: nn.Module) -> nn.Module:
         """The shared part that is merged and calibrated (task heads live outside it)."""

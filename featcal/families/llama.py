@@ -1,7 +1,15 @@
-"""Llama-style decoders (`LlamaForSequenceClassification`, `LlamaModel`): RMSNorm, gated MLP, no biases.
+"""Llama-like decoders: the `llama`, `qwen2` and `mistral` model types, as sequence classifiers
+(`LlamaForSequenceClassification`, ...) or causal language models (`Qwen2ForCausalLM`, ...).
 
-Backbone: the `LlamaModel` (`model.model`): token embeddings, the decoder layers, the final `norm`
-and the rotary embedding. The head (`score`) reads `norm(h_L)` at one token per example.
+One family with options, not one copy per type: what differs between them (Qwen2's q/k/v biases,
+tied embeddings, grouped-query attention, Mistral's sliding window) lives in the model's own
+modules and in the masks its forward builds, which the blocks' inputs are captured from.
+
+Backbone: the decoder model (`model.model`): token embeddings, the decoder layers, the final `norm`
+and the rotary embedding. A classifier's head (`score`) reads `norm(h_L)` at one token per example;
+a causal LM's head (`lm_head`, often tied to the embeddings) reads it at every token, so its
+variant (`LlamaCausalLMFamily`) matches every real token's features, uniformly weighted. The
+embeddings, the final norm and the LM head stay as merged.
 
 Pooling "last", as `LlamaForSequenceClassification` does it: the *rightmost* token that is not the
 pad token (`(arange(T) * (input_ids != pad_token_id)).argmax(-1)`), which is right for both right
@@ -20,7 +28,9 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from .base import Family, Stream
+from featcal.io.models import backbone_of
+
+from .base import Family, Stream, pool
 
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 
@@ -31,10 +41,26 @@ def rightmost_index(marks: Tensor) -> Tensor:
     return (positions * marks.long()).argmax(-1)
 
 
+CAUSAL_LM_SUFFIX = "ForCausalLM"
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A causal-LM task model, or a bare decoder whose checkpoint was saved from one (its config's
+    `architectures`); a task model with another head (a classifier) is not one."""
+    if type(model).__name__.endswith(CAUSAL_LM_SUFFIX):
+        return True
+    if backbone_of(model) is not model:
+        return False
+    return any(a.endswith(CAUSAL_LM_SUFFIX) for a in getattr(model.config, "architectures", None) or ())
+
+
 class LlamaFamily(Family):
     name = "llama"
-    model_types = ("llama",)
+    model_types = ("llama", "qwen2", "mistral")
     pooling = "last"
+
+    def for_model(self, model: nn.Module) -> Family:
+        return LLAMA_CAUSAL_LM if is_causal_lm(model) else self
 
     def blocks(self, backbone: nn.Module) -> list[nn.Module]:
         return list(backbone.layers[: backbone.config.num_hidden_layers])
@@ -65,3 +91,24 @@ class LlamaFamily(Family):
         """norm(h_L) at the pooled token: what `score` reads."""
         last = stream.hidden[torch.arange(stream.hidden.shape[0], device=stream.hidden.device), stream.pooled_index]
         return backbone.norm(last)
+
+
+class LlamaCausalLMFamily(LlamaFamily):
+    """The causal-LM task model: every real token is read by the LM head, none is pooled."""
+
+    name = "llama"
+    pooling = "mean"
+
+    def for_model(self, model: nn.Module) -> Family:
+        return self
+
+    @torch.no_grad()
+    def enter(self, backbone: nn.Module, inputs: Mapping[str, Tensor]) -> Stream:
+        return replace(super().enter(backbone, inputs), pooled_index=None)
+
+    def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
+        """norm(h_L), the LM head's input, averaged over each example's real tokens."""
+        return pool(backbone.norm(stream.hidden), stream.mask, None)
+
+
+LLAMA_CAUSAL_LM = LlamaCausalLMFamily()
