@@ -1,0 +1,131 @@
+"""Scoring causal language models: mean token negative log-likelihood and perplexity on held-out
+text, and multiple-choice accuracy from the choices' log-likelihoods.
+
+Multiple choice is scored as lm-evaluation-harness scores it: each choice is a continuation of the
+context; its score is the sum of its tokens' log-probabilities given everything before them
+(`acc`), or that sum divided by the choice's length in characters (`acc_norm`). The continuation's
+tokens are those of `context + choice` past the context's own tokens, so a tokenizer that merges
+across the boundary is handled as the harness handles it.
+
+Text is right-padded here: a left-padded batch would shift the models' position ids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from featcal.evaluation.scoring import gap_closed
+
+
+@dataclass(frozen=True)
+class TextScores:
+    """Mean negative log-likelihood per predicted token (nats), its perplexity, and the count."""
+
+    nll: float
+    perplexity: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class ChoiceItem:
+    """One multiple-choice question: a context, its candidate continuations, the right one's index."""
+
+    context: str
+    choices: tuple[str, ...]
+    answer: int
+
+
+@dataclass(frozen=True)
+class ChoiceScores:
+    acc: float
+    acc_norm: float
+    items: int
+
+
+def token_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """log p(token t | tokens < t) for t ≥ 1 ([B, T-1], float64), and which of them count: a real
+    token after a real token. The softmax runs in the logits' dtype, one batch at a time."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    targets = input_ids[:, 1:]
+    logp = -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+    valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    return logp.double() * valid, valid
+
+
+@torch.no_grad()
+def text_nll(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> TextScores:
+    """Mean token NLL and perplexity of `model` over `batches` (input_ids, attention_mask; right padding)."""
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        logp, valid = token_log_probs(model, batch["input_ids"], batch["attention_mask"])
+        total -= float(logp.sum())
+        count += int(valid.sum())
+    if count == 0:
+        raise ValueError("no tokens to score: every text is shorter than two tokens")
+    nll = total / count
+    return TextScores(nll, math.exp(nll), count)
+
+
+def _continuation_ids(tokenizer, context: str, choice: str) -> tuple[list[int], list[int]]:
+    whole = tokenizer(context + choice, add_special_tokens=False)["input_ids"]
+    n_context = len(tokenizer(context, add_special_tokens=False)["input_ids"])
+    return whole[:n_context], whole[n_context:]
+
+
+@torch.no_grad()
+def choice_log_likelihoods(model: nn.Module, tokenizer, item: ChoiceItem) -> list[float]:
+    """Each choice's summed log-likelihood as a continuation of the item's context (one batch)."""
+    rows, spans = [], []
+    for choice in item.choices:
+        context, continuation = _continuation_ids(tokenizer, item.context, choice)
+        if not continuation:
+            raise ValueError(f"choice {choice!r} of {item.context[:40]!r}...: no tokens of its own")
+        if not context:   # the first token needs something before it: the BOS (or EOS) token
+            start = next((t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id) if t is not None), None)
+            if start is None:
+                raise ValueError(f"choice {choice!r}: the context is empty and the tokenizer has no BOS or EOS "
+                                 "token to condition the first token on")
+            context = [start]
+        rows.append(context + continuation)
+        spans.append((len(context), len(context) + len(continuation)))
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+    logp, _ = token_log_probs(model, ids, mask)
+    # logp[:, t - 1] scores token t: a continuation [a, b) is logp[:, a-1 : b-1]
+    return [float(logp[i, a - 1:b - 1].sum()) for i, (a, b) in enumerate(spans)]
+
+
+def choice_accuracy(model: nn.Module, tokenizer, items: Sequence[ChoiceItem]) -> ChoiceScores:
+    """`acc` and `acc_norm` (per-character) over `items`."""
+    if not items:
+        raise ValueError("no multiple-choice items to score")
+    model.eval()
+    right = right_norm = 0
+    for item in items:
+        scores = choice_log_likelihoods(model, tokenizer, item)
+        normed = [s / max(len(c), 1) for s, c in zip(scores, item.choices)]
+        right += max(range(len(scores)), key=scores.__getitem__) == item.answer
+        right_norm += max(range(len(normed)), key=normed.__getitem__) == item.answer
+    return ChoiceScores(right / len(items), right_norm / len(items), len(items))
+
+
+def nll_gap_closed(expert: float, merged: float, calibrated: float) -> float | None:
+    """(merged − calibrated) ÷ (merged − expert) in NLL terms, on the expert's own task: the share of
+    the merge's NLL increase that calibration removes (the accuracy `gap_closed`, NLL's sign)."""
+    return gap_closed(expert, merged, calibrated)
+
+
+__all__ = ["ChoiceItem", "ChoiceScores", "TextScores", "choice_accuracy", "choice_log_likelihoods",
+           "nll_gap_closed", "text_nll", "token_log_probs"]
