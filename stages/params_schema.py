@@ -589,7 +589,7 @@ def base_model_info(params: Params) -> BaseModelInfo:
                           f"supported model types: {', '.join(sorted(FAMILIES))}")
     from featcal.io.models import task_model_class
 
-    task_class = task_model_class(config)
+    task_class = task_model_class(config, causal_lm=any(s.language_model for s in params.tasks.values() if s.enabled))
     if type(config) not in task_class._model_mapping:
         raise ParamsError(f"model.base = {params.model.base!r}: model type {config.model_type!r} has no "
                           f"{task_class.__name__} class, and the pipeline fine-tunes and scores one task model per task")

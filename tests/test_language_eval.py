@@ -110,3 +110,14 @@ def test_a_causal_lm_expert_round_trips_the_multitask_layout_and_is_scored_by_it
                             {"news": split}, {"news": 16})
     assert scores["news"] == pytest.approx(split_nll(lm, encoder, split, 16), rel=1e-6)
     assert 1.0 < scores["news"] < 10.0   # nats per token: an NLL, not an accuracy
+
+
+def test_a_causal_lm_checkpoint_loads_as_itself_or_with_a_new_head_as_a_classifier(lm, tmp_path):
+    from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    from featcal.io.models import load_classifier
+
+    lm.save_pretrained(tmp_path / "lm")
+    assert type(load_classifier(str(tmp_path / "lm"))) is Qwen2ForCausalLM
+    classifier = load_classifier(str(tmp_path / "lm"), num_labels=3)
+    assert type(classifier) is Qwen2ForSequenceClassification and classifier.config.num_labels == 3

@@ -155,15 +155,17 @@ def is_causal_lm(model: nn.Module) -> bool:
     return backbone_of(model) is model and is_causal_lm_config(getattr(model, "config", None))
 
 
-def task_model_class(config) -> type:
+def task_model_class(config, causal_lm: bool | None = None) -> type:
     """The task-model class of a config: image classification for vision models, a causal LM for a
-    config saved from one, else sequence classification."""
+    config saved from one (or with `causal_lm`), else sequence classification (or with
+    `causal_lm=False`: a classifier on a causal-LM checkpoint)."""
     if config.model_type == "clip_vision_model":   # registers its classifier (an import of CLIP's modelling code)
         from featcal.io import clip_vision  # noqa: F401
 
     if is_image_model(config.model_type):
         return AutoModelForImageClassification
-    return AutoModelForCausalLM if is_causal_lm_config(config) else AutoModelForSequenceClassification
+    causal_lm = is_causal_lm_config(config) if causal_lm is None else causal_lm
+    return AutoModelForCausalLM if causal_lm else AutoModelForSequenceClassification
 
 
 log = logging.getLogger(__name__)
@@ -183,14 +185,15 @@ def quiet_loading():
 
 
 def load_classifier(ref: str, num_labels: int | None = None) -> nn.Module:
-    """A sequence- or image-classification model; a new head is initialised when `num_labels` is
-    given (said in one line). Without `num_labels` the checkpoint must hold the whole task model: a
+    """A sequence- or image-classification model, or the causal LM that a checkpoint saved from one
+    holds; a new classification head is initialised when `num_labels` is given (said in one line;
+    a causal-LM checkpoint then gives a classifier). Without `num_labels` the checkpoint must hold the whole task model: a
     tensor it lacks (a masked-LM or bare checkpoint has no classification head) is an error naming
     the checkpoint, never a random head. Non-finite weights are an error naming the file and the tensor."""
     kwargs = {} if num_labels is None else {"num_labels": num_labels}
     path = resolve_model_ref(ref)
     config = AutoConfig.from_pretrained(path)
-    task_class = task_model_class(config)
+    task_class = task_model_class(config, causal_lm=False if num_labels is not None else None)   # a new head: a classifier
     with quiet_loading():
         model, info = task_class.from_pretrained(path, output_loading_info=True, **kwargs)
     missing = sorted(info.get("missing_keys") or ())
