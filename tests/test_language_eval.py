@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import BertTokenizer
 
-from featcal.evaluation.language import ChoiceItem, choice_accuracy, choice_log_likelihoods, nll_gap_closed, text_nll
+from featcal.evaluation.language import ChoiceItem, choice_accuracy, choice_log_likelihoods, text_nll
+from featcal.evaluation.scoring import gap_closed
 from conftest import tiny_causal_lm
 from tiny_project import WORDS, make_vocab
 
@@ -71,7 +72,52 @@ def test_an_empty_context_needs_a_start_token(lm, tokenizer):
         choice_log_likelihoods(lm, tokenizer, ChoiceItem("", ("good",), 0))
 
 
-def test_nll_gap_closed_is_the_share_of_the_merges_nll_increase_removed():
-    assert nll_gap_closed(expert=2.0, merged=3.0, calibrated=2.25) == 0.75
-    assert nll_gap_closed(expert=2.0, merged=3.0, calibrated=3.5) == -0.5
-    assert nll_gap_closed(expert=2.0, merged=2.0, calibrated=2.1) is None
+def test_the_gap_closed_in_nll_terms_is_the_share_of_the_merges_nll_increase_removed():
+    assert gap_closed(2.0, 3.0, 2.25) == 0.75   # expert, merged, calibrated NLLs
+    assert gap_closed(2.0, 3.0, 3.5) == -0.5
+    assert gap_closed(2.0, 2.0, 2.1) is None
+
+
+def test_a_causal_lm_expert_round_trips_the_multitask_layout_and_is_scored_by_its_nll(lm, tokenizer, tmp_path):
+    """A tied LM head is the embeddings' (no head tensor is written); the one scorer of the project
+    gives a causal LM's task its mean token NLL."""
+    from featcal.data.encoders import TextEncoder
+    from featcal.data.splits import TaskSplit
+    from featcal.evaluation.language import split_nll
+    from featcal.evaluation.scoring import score_backbone
+    from featcal.io.checkpoints import load_head
+    from featcal.io.models import head_state, load_backbone, load_task_model, save_multitask
+
+    assert head_state(lm) == {}
+    untied = tiny_causal_lm("qwen2", vocab=len(VOCAB), hidden=16)
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert list(head_state(untied)) == ["lm_head.weight"]
+
+    save_multitask(tmp_path / "multi", lm.model, {"news": lm})
+    from safetensors.torch import load_file
+    assert load_file(tmp_path / "multi/heads/news/head.safetensors") == {}
+    rebuilt = load_task_model(tmp_path / "multi", "news")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(rebuilt(input_ids=ids).logits, lm(input_ids=ids).logits)
+
+    texts = ["the good movie and the film", "bad news", "a great team"]
+    split = TaskSplit("news", "test", texts, torch.zeros(3, dtype=torch.long))
+    encoder = TextEncoder(tokenizer)
+    lm.save_pretrained(tmp_path / "expert")
+    scores = score_backbone(load_backbone(str(tmp_path / "multi")), {"news": load_head(tmp_path / "expert")}, encoder,
+                            {"news": split}, {"news": 16})
+    assert scores["news"] == pytest.approx(split_nll(lm, encoder, split, 16), rel=1e-6)
+    assert 1.0 < scores["news"] < 10.0   # nats per token: an NLL, not an accuracy
+
+
+def test_a_causal_lm_checkpoint_loads_as_itself_or_with_a_new_head_as_a_classifier(lm, tmp_path):
+    from transformers import Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    from featcal.io.models import load_classifier
+
+    lm.save_pretrained(tmp_path / "lm")
+    assert type(load_classifier(str(tmp_path / "lm"))) is Qwen2ForCausalLM
+    classifier = load_classifier(str(tmp_path / "lm"), num_labels=3)
+    assert type(classifier) is Qwen2ForSequenceClassification and classifier.config.num_labels == 3

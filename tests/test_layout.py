@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("featcal.merging",),
     ("featcal.baselines",),
     ("featcal.evaluation",),
-    ("featcal.finetune",),
+    ("featcal.finetune", "featcal.finetune_lm"),
     ("featcal.tuning",),
 )
 

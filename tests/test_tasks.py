@@ -178,6 +178,8 @@ def test_unknown_key_error_names_task_and_key():
         ({"source": "package:bbc", "max_train": True}, r"tasks\.t\.max_train"),
         ({"source": "package:bbc", "options": {"color": 1}}, r"tasks\.t\.options.*'color'"),
         ({"source": "package:bbc", "enabled": "no"}, r"tasks\.t\.enabled"),
+        ({"source": "package:bbc", "objective": "lm"}, r"tasks\.t\.objective: expected one of classification, "
+                                                       r"language_model, found 'lm'"),
         ({"text_field": "x"}, r"tasks\.t.*'source'"),
     ],
 )
@@ -323,3 +325,31 @@ def test_hf_source_keeps_class_label_names_splits_and_drops_unlabelled(tmp_path)
     splits = split_task(frame, spec, seed=0)
     assert sorted(splits["test"]["text"]) == ["t0", "t1", "t2"]
     assert dict(zip(splits["test"]["text"], splits["test"]["label"])) == {"t0": 2, "t1": 1, "t2": 0}
+
+
+# --- language-model tasks ---------------------------------------------------------------------------
+
+
+def test_a_language_model_task_reads_unlabelled_text_as_one_class(tmp_path):
+    frame = pd.DataFrame({"sentence": [f"line {i} of some text" for i in range(50)]})
+    spec = file_task(tmp_path, frame, objective="language_model")
+    assert spec.language_model
+    loaded = load_task_frame(spec)
+    assert loaded.attrs["classes"] == ["text"] and set(loaded["label"]) == {0} and len(loaded) == 50
+    splits = split_task(loaded, TaskSpec.from_mapping("toy", {"source": spec.source, "text_field": "sentence",
+                                                              "objective": "language_model", "n_dev": 5, "n_test": 5,
+                                                              "max_train": 40}))
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [40, 5, 5]
+    # a classifier of the same rows is refused: it has one class (or no label column at all)
+    with pytest.raises(ValueError, match="label_field column 'category' not found"):
+        load_task_frame(file_task(tmp_path, frame))
+
+
+def test_python_source_cuts_a_packages_modules_into_pieces_of_code():
+    frame = BUILTIN_LOADERS["python_source"](lines=30, min_lines=10)
+    assert len(frame) > 1000 and {"linear_model", "ensemble"} <= set(frame["label"])
+    lengths = frame["text"].str.count("\n") + 1
+    assert lengths.between(10, 30).all() and frame["text"].str.contains("def |import |class ").mean() > 0.5
+    assert frame["text"].tolist() == BUILTIN_LOADERS["python_source"](lines=30, min_lines=10)["text"].tolist()
+    with pytest.raises(ValueError, match="min_lines <= lines"):
+        BUILTIN_LOADERS["python_source"](lines=5, min_lines=10)

@@ -20,8 +20,8 @@ from typing import Mapping, Sequence
 import torch
 import yaml
 from transformers import (BertConfig, BertModel, BertTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer,
-                          CLIPVisionModelWithProjection, LlamaConfig, LlamaModel, MPNetConfig, MPNetModel, T5Config, T5Model, ViTConfig,
-                          ViTImageProcessorPil, ViTModel)
+                          CLIPVisionModelWithProjection, LlamaConfig, LlamaModel, MPNetConfig, MPNetModel, Qwen2Config,
+                          Qwen2ForCausalLM, T5Config, T5Model, ViTConfig, ViTImageProcessorPil, ViTModel)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["good", "bad", "great", "awful", "movie", "film", "sport", "team", "vote", "party", "the", "a", "and", "news"]
@@ -63,6 +63,18 @@ def make_llama_base(path: Path, layers: int = 2, *, hidden: int = 32, heads: int
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=64, pad_token_id=vocab.index("[PAD]"))
     LlamaModel(config).save_pretrained(path)
+    BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
+
+
+def make_causal_lm_base(path: Path, layers: int = 2, *, hidden: int = 32, seed: int = 0) -> None:
+    """A seeded random tiny Qwen2 causal LM (grouped-query attention, q/k/v biases, tied embeddings)
+    with the same word-level tokenizer, its [PAD] as the pad token: a base for language-model tasks."""
+    vocab = make_vocab(WORDS)
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, pad_token_id=vocab.index("[PAD]"), tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(path)
     BertTokenizer(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(path)
 
 

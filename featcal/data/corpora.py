@@ -313,6 +313,32 @@ def load_digits() -> pd.DataFrame:
     return frame
 
 
+def load_python_source(package: str = "sklearn", lines: int = 40, min_lines: int = 10) -> pd.DataFrame:
+    """Python source code as text: every ``.py`` file of an installed package (scikit-learn's by
+    default, installed with the demo's data), in sorted path order, cut into pieces of ``lines``
+    lines (a last piece shorter than ``min_lines`` is dropped). The label is the file's top-level
+    module inside the package (``_core``, ``linear_model``, ...): a code domain for language-model
+    tasks, which read no labels."""
+    import pandas as pd
+
+    if lines < 1 or not 1 <= min_lines <= lines:
+        raise ValueError(f"python_source: expected 1 <= min_lines <= lines, found lines={lines}, min_lines={min_lines}")
+    root = package_dir(package)
+    rows = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        module = relative.parts[0].removesuffix(".py") if len(relative.parts) > 1 else "__root__"
+        source = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        for start in range(0, len(source), lines):
+            piece = source[start:start + lines]
+            if len(piece) >= min_lines and any(line.strip() for line in piece):
+                rows.append(("\n".join(piece), module))
+    if not rows:
+        raise FileNotFoundError(f"package {package!r} at {root} holds no Python source of {min_lines}+ lines")
+    frame = pd.DataFrame(rows, columns=["text", "label"])
+    return _with_meta(frame, sorted(frame["label"].unique()), root)
+
+
 #: Builtin loaders by name (``source: package:<name>``); keyword arguments come from ``options``.
 BUILTIN_LOADERS: dict[str, Callable[..., pd.DataFrame]] = {
     "bbc": load_bbc,
@@ -323,4 +349,5 @@ BUILTIN_LOADERS: dict[str, Callable[..., pd.DataFrame]] = {
     "name_gender": load_name_gender,
     "subjectivity": load_subjectivity,
     "digits": load_digits,
+    "python_source": load_python_source,
 }

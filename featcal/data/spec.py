@@ -28,6 +28,9 @@ _SPLIT_ALIASES = {
 }
 SOURCE_KINDS = ("package", "file", "hf")
 FILE_SUFFIXES = (".parquet", ".csv", ".tsv", ".jsonl")
+# what an expert of the task is trained for: a classifier of its labels, or a causal language
+# model of its texts (labels unused: a source without them is read as one class)
+OBJECTIVES = ("classification", "language_model")
 _FILE_OPTIONS = {"sep", "encoding"}
 
 
@@ -49,6 +52,8 @@ class TaskSpec:
     ``image_field`` makes it an image task: that column holds the images (encoded bytes, a
     ``datasets`` image cell, a path or an array); builtin image loaders and image folders
     (``file:<folder>``, one sub-folder per class) name it themselves.
+    ``objective`` is ``classification`` (the experts classify ``label``) or ``language_model``
+    (causal-LM experts of the texts; labels, where the source has them, only stratify the splits).
     ``options`` are source-specific: keyword arguments of the builtin loader, ``sep`` /
     ``encoding`` for csv/tsv files, extra ``load_dataset`` arguments for ``hf``.
     """
@@ -66,7 +71,12 @@ class TaskSpec:
     balance: bool = False
     min_chars: int = 1
     split_field: str | None = "split"
+    objective: str = "classification"
     options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def language_model(self) -> bool:
+        return self.objective == "language_model"
 
     @property
     def source_kind(self) -> str:
@@ -129,6 +139,8 @@ class TaskSpec:
                 value = kw[key]
                 if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                     raise ValueError(f"{where}.{key}: expected an integer >= {minimum}, found {value!r}")
+        if "objective" in kw and kw["objective"] not in OBJECTIVES:
+            raise ValueError(f"{where}.objective: expected one of {', '.join(OBJECTIVES)}, found {kw['objective']!r}")
         for key in ("enabled", "balance"):
             if key in kw and not isinstance(kw[key], bool):
                 raise ValueError(f"{where}.{key}: expected true or false, found {kw[key]!r}")

@@ -148,6 +148,8 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
     where = f"task {spec.name!r} ({raw.attrs.get('source_file', spec.source)})"
     image_field = spec.image_field or raw.attrs.get("image_field")
     content = ("image_field", image_field) if image_field else ("text_field", spec.text_field)
+    if spec.language_model and spec.label_field not in raw.columns:   # unlabelled text: one class
+        raw = raw.assign(**{spec.label_field: "text"})
     for key, column in (content, ("label_field", spec.label_field)):
         if column not in raw.columns:
             raise ValueError(
@@ -228,7 +230,7 @@ def load_task_frame(spec: TaskSpec) -> pd.DataFrame:
     if out.empty:
         raise ValueError(f"{where}: no usable rows (non-empty text with a mapped label)")
     present = sorted(set(out["label"]))
-    if len(present) < 2:
+    if len(present) < 2 and not spec.language_model:
         raise ValueError(
             f"{where}: all {len(out)} usable rows have the same class {classes[present[0]]!r} "
             f"(label_field {spec.label_field!r}); a classifier needs at least two classes"

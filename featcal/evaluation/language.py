@@ -7,7 +7,9 @@ context; its score is the sum of its tokens' log-probabilities given everything 
 tokens are those of `context + choice` past the context's own tokens, so a tokenizer that merges
 across the boundary is handled as the harness handles it.
 
-Text is right-padded here: a left-padded batch would shift the models' position ids.
+Text is right-padded here: a left-padded batch would shift the models' position ids. The gap a
+calibration closes in NLL terms, (merged − calibrated) ÷ (merged − expert) on each expert's own task,
+is `featcal.evaluation.scoring.gap_closed` of the three NLLs.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from featcal.evaluation.scoring import gap_closed
+from featcal.data.encoders import InputEncoder, check_examples
+from featcal.data.splits import TaskSplit, encode_batches
+
+LM_BATCH_SIZE = 16   # texts per forward: the logits are [batch, length, vocabulary] (151,936 for Qwen2)
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,18 @@ def text_nll(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> TextS
     return TextScores(nll, math.exp(nll), count)
 
 
+def split_nll(model: nn.Module, encoder: InputEncoder, split: TaskSplit, max_length: int,
+              batch_size: int = LM_BATCH_SIZE) -> float:
+    """A causal LM's mean token NLL on a task split's texts (each truncated to `max_length` tokens):
+    the score of a language-model task, as accuracy is a classifier's (lower is better)."""
+    check_examples(encoder, split.examples, split.task)
+    batches = encode_batches(encoder, list(split.examples), max_length, batch_size)
+    if any(bool((b["attention_mask"][:, 0] == 0).any()) for b in batches):
+        raise ValueError(f"task {split.task!r}: the tokenizer pads on the left; language-model scores need right "
+                         "padding (tokenizer.padding_side = 'right')")
+    return text_nll(model, batches).nll
+
+
 def _continuation_ids(tokenizer, context: str, choice: str) -> tuple[list[int], list[int]]:
     whole = tokenizer(context + choice, add_special_tokens=False)["input_ids"]
     n_context = len(tokenizer(context, add_special_tokens=False)["input_ids"])
@@ -121,11 +138,5 @@ def choice_accuracy(model: nn.Module, tokenizer, items: Sequence[ChoiceItem]) ->
     return ChoiceScores(right / len(items), right_norm / len(items), len(items))
 
 
-def nll_gap_closed(expert: float, merged: float, calibrated: float) -> float | None:
-    """(merged − calibrated) ÷ (merged − expert) in NLL terms, on the expert's own task: the share of
-    the merge's NLL increase that calibration removes (the accuracy `gap_closed`, NLL's sign)."""
-    return gap_closed(expert, merged, calibrated)
-
-
-__all__ = ["ChoiceItem", "ChoiceScores", "TextScores", "choice_accuracy", "choice_log_likelihoods",
-           "nll_gap_closed", "text_nll", "token_log_probs"]
+__all__ = ["ChoiceItem", "ChoiceScores", "TextScores", "choice_accuracy", "choice_log_likelihoods", "split_nll",
+           "text_nll", "token_log_probs"]

@@ -13,7 +13,9 @@ from featcal.data.encoders import InputEncoder
 from featcal.data.splits import TaskSplit
 from featcal.families import Family
 from featcal.io.checkpoints import with_backbone_assigned
+from featcal.evaluation.language import split_nll
 from featcal.evaluation.predictions import accuracy
+from featcal.io.models import is_causal_lm
 from featcal.calibration.walk import ModuleWeights, Streams, split_like
 
 Batches = Mapping[str, list[Mapping[str, Tensor]]]
@@ -65,11 +67,19 @@ def layer_drift(family: Family, experts: Mapping[str, nn.Module], candidate: nn.
 @torch.no_grad()
 def score_backbone(backbone: nn.Module, heads: Mapping[str, nn.Module], encoder: InputEncoder, splits: Mapping[str, TaskSplit],
                    max_length: Mapping[str, int]) -> dict[str, float]:
-    """Accuracy per task of `backbone` under each task's head: the one scorer of the project.
+    """Accuracy per task of `backbone` under each task's head: the one scorer of the project; a causal
+    LM's task is scored by its mean token NLL instead (`featcal.evaluation.language.split_nll`).
 
     `heads[task]` is a task model (an expert, or a `featcal.io.checkpoints.load_head` model) whose backbone is
     replaced by `backbone`'s parameters (shared, not copied); only tasks in `heads` are scored."""
-    return {t: accuracy(with_backbone_assigned(heads[t], backbone), encoder, splits[t], max_length[t]) for t in heads}
+    return {t: task_score(with_backbone_assigned(heads[t], backbone), encoder, splits[t], max_length[t]) for t in heads}
+
+
+def task_score(task_model: nn.Module, encoder: InputEncoder, split: TaskSplit, max_length: int) -> float:
+    """A classifier's accuracy, or a causal LM's mean token NLL (lower is better), on one split."""
+    if is_causal_lm(task_model):
+        return split_nll(task_model, encoder, split, max_length)
+    return accuracy(task_model, encoder, split, max_length)
 
 
 def summary(scores: Mapping[str, float]) -> dict[str, float]:

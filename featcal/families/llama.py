@@ -28,7 +28,7 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from featcal.io.models import backbone_of
+from featcal.io.models import is_causal_lm
 
 from .base import Family, Stream, pool
 
@@ -39,19 +39,6 @@ def rightmost_index(marks: Tensor) -> Tensor:
     """[B] index of the rightmost True of each row (0 for a row with none)."""
     positions = torch.arange(marks.shape[-1], device=marks.device)
     return (positions * marks.long()).argmax(-1)
-
-
-CAUSAL_LM_SUFFIX = "ForCausalLM"
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """A causal-LM task model, or a bare decoder whose checkpoint was saved from one (its config's
-    `architectures`); a task model with another head (a classifier) is not one."""
-    if type(model).__name__.endswith(CAUSAL_LM_SUFFIX):
-        return True
-    if backbone_of(model) is not model:
-        return False
-    return any(a.endswith(CAUSAL_LM_SUFFIX) for a in getattr(model.config, "architectures", None) or ())
 
 
 class LlamaFamily(Family):

@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from featcal.io.models import backbone_kwargs, backbone_of, resolve_model_ref
+from featcal.io.models import backbone_kwargs, backbone_of, is_causal_lm, resolve_model_ref
 from featcal.profiling import phase
 
 
@@ -365,8 +365,11 @@ def load_head(expert_dir: str | os.PathLike) -> nn.Module:
 
 
 def with_backbone_assigned(task_model: nn.Module, backbone: nn.Module) -> nn.Module:
-    """`task_model` reading `backbone`'s parameters (shared, not copied; the head is kept)."""
+    """`task_model` reading `backbone`'s parameters (shared, not copied; the head is kept). A causal
+    LM's head tied to the embeddings is tied to the new ones (assigning replaced the tensor it shared)."""
     backbone_of(task_model).load_state_dict(backbone.state_dict(), assign=True)
+    if is_causal_lm(task_model):
+        task_model.tie_weights()
     return task_model
 
 

