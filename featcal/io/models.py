@@ -402,12 +402,13 @@ def save_heads(folder: str | os.PathLike, task_models: Mapping[str, nn.Module], 
     if encoder is not None:
         encoder.save_pretrained(folder)
     for task, model in task_models.items():
-        check_finite(head_state(model), f"refusing to write {folder}: the head of task {task!r}")
+        head = head_state(model)
+        check_finite(head, f"refusing to write {folder}: the head of task {task!r}")
         head_dir = folder / "heads" / task
         head_dir.mkdir(parents=True)
         model.config.architectures = [type(model).__name__]   # as save_pretrained records it: the class to rebuild
         model.config.save_pretrained(head_dir)
-        save_file({k: v.contiguous() for k, v in head_state(model).items()}, head_dir / "head.safetensors")
+        save_file({k: v.contiguous() for k, v in head.items()}, head_dir / "head.safetensors")
 
 
 def load_task_model(model_dir: str | os.PathLike, task: str) -> nn.Module:
@@ -421,7 +422,8 @@ def load_task_model(model_dir: str | os.PathLike, task: str) -> nn.Module:
     model = task_model_class(config).from_config(config)
     backbone_of(model).load_state_dict(load_backbone(str(model_dir)).state_dict())
     missing, unexpected = model.load_state_dict(load_file(head_dir / "head.safetensors"), strict=False)
-    head_missing = [k for k in missing if k in head_state(model)]   # (a tied head is the backbone's)
+    head = head_state(model)   # (a tied head is the backbone's: not missing)
+    head_missing = [k for k in missing if k in head]
     if head_missing or unexpected:
         raise ValueError(f"{head_dir}: head parameters do not match the model (missing {head_missing}, unexpected {unexpected})")
     return model.eval()
