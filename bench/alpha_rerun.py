@@ -136,7 +136,8 @@ def mirror(src: Path, dst: Path) -> None:
 
 def restore(saved: Path) -> None:
     """params.yaml, dvc.lock, results/ as before the experiment (index from git, files from the
-    snapshot), then the DVC-tracked outputs as dvc.lock records them."""
+    snapshot), then the outputs of this project's dvc.yaml as dvc.lock records them (only those: another
+    pipeline's outputs, e.g. the demo's from mpnet/, may be absent from the cache on a fresh machine)."""
     proc = git("checkout", "--", *[n for n in RESTORED if Path(n).exists() or (saved / n).exists()])
     if proc.returncode != 0:
         print(f"warning: git checkout -- {' '.join(RESTORED)}: {proc.stderr.strip()}", file=sys.stderr)
@@ -146,7 +147,7 @@ def restore(saved: Path) -> None:
             mirror(src, dst)
         elif src.exists():
             shutil.copy2(src, dst)
-    dvc("checkout", "--force")
+    dvc("checkout", "--force", "dvc.yaml")
 
 
 @dataclass
