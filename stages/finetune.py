@@ -39,7 +39,7 @@ def language_model_expert(params: dict, task: str, base_ref: str, existing: str 
                          f"{type(model).__name__}, not a causal LM")
     if not existing:
         settings = LoraSettings(max_length=length, seed=int(get(params, "seed")), **{
-            k: tuple(v) if isinstance(v, list) else v for k, v in (get(params, "finetune_lm", {}) or {}).items()})
+            k: tuple(v) if isinstance(v, list) else v for k, v in (get(params, "finetune.lm", {}) or {}).items()})
         texts = read_split(get(params, "tasks_dir"), task, "train").examples
         model, losses = finetune_lora(model, encoder, texts, settings, desc=f"lora {task}")
         for step in range(0, len(losses), LOSS_EVERY):
@@ -82,6 +82,7 @@ def main() -> None:
         else:
             settings = dict(get(params, "finetune"))
             overrides = settings.pop("overrides", {}) or {}
+            settings.pop("lm", None)   # language-model tasks' LoRA settings
             settings.update(overrides.get(task, {}))
             config = FinetuneConfig(max_length=length, seed=int(get(params, "seed")), **settings)
             torch.manual_seed(config.seed)

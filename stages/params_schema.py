@@ -235,12 +235,8 @@ class FinetuneKnobs(Section):
     warmup_ratio: real(0, 1) = 0.1
 
 
-class Finetune(FinetuneKnobs):
-    overrides: mapping_of(given_keys(FinetuneKnobs)) = {}
-
-
 class FinetuneLM(Section):
-    """Causal-LM experts of language-model tasks (featcal.finetune_lm.LoraSettings): LoRA adapters
+    """finetune.lm: causal-LM experts of language-model tasks (featcal.finetune_lm.LoraSettings): LoRA adapters
     on the named linears of the listed decoder layers (null: all), merged into the expert's weights."""
 
     rank: integer(1) = 8
@@ -250,6 +246,11 @@ class FinetuneLM(Section):
     learning_rate: real(0, low_open=True) = 2e-4
     steps: integer(1) = 100
     batch_size: integer(1) = 4
+
+
+class Finetune(FinetuneKnobs):
+    overrides: mapping_of(given_keys(FinetuneKnobs)) = {}
+    lm: FinetuneLM = Field(default_factory=FinetuneLM)
 
 
 class Experts(Section):
@@ -401,7 +402,6 @@ class Params(Section):
     tasks_dir: Text = "data/tasks"
     tokens: Tokens = Field(default_factory=Tokens)
     finetune: Finetune = Field(default_factory=Finetune)
-    finetune_lm: FinetuneLM = Field(default_factory=FinetuneLM)
     experts: Experts = Field(default_factory=Experts)
     merge: Merge = Field(default_factory=Merge)
     calibration: Calibration = Field(default_factory=Calibration)

@@ -150,8 +150,8 @@ def test_a_causal_lm_project_fine_tunes_lora_experts_and_reports_nll(tmp_path):
     for spec in tasks.values():
         spec["objective"] = "language_model"
     params = tiny_params(tmp_path / "base", tasks)
-    params["finetune_lm"] = {"rank": 4, "steps": 30, "batch_size": 8, "learning_rate": 0.02,
-                             "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    params["finetune"]["lm"] = {"rank": 4, "steps": 30, "batch_size": 8, "learning_rate": 0.02,
+                                "target_modules": ["q_proj", "v_proj", "down_proj"]}
     params["featcal"].update(alpha=0.25, rho=2.2, ridge=0.05)   # the spec's defaults (params.yaml's are the demo's)
     project = make_project(tmp_path, params)
     first = run([*DVC, "repro"], project)
