@@ -56,20 +56,24 @@ class ChoiceScores:
 def token_log_probs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
     """log p(token t | tokens < t) for t ≥ 1 ([B, T-1], float64), and which of them count: a real
     token after a real token. The softmax runs in the logits' dtype, one batch at a time."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    return logits_log_probs(model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids, attention_mask)
+
+
+def logits_log_probs(logits: Tensor, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """`token_log_probs` from a causal LM's logits ([B, T, V]) for these texts: the one place the
+    next-token log-probabilities are taken, whether the logits come from a whole model's forward or
+    from its LM head run a few texts at a time (`featcal.evaluation.streamed`)."""
     targets = input_ids[:, 1:]
-    logp = -F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
+    logp = -F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, reduction="none")
     valid = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
     return logp.double() * valid, valid
 
 
-@torch.no_grad()
-def text_nll(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> TextScores:
-    """Mean token NLL and perplexity of `model` over `batches` (input_ids, attention_mask; right padding)."""
-    model.eval()
+def mean_token_nll(log_probs: Iterable[tuple[Tensor, Tensor]]) -> TextScores:
+    """Mean NLL and perplexity from each batch's (`token_log_probs`) pair: float64 sums per batch,
+    added in batch order."""
     total, count = 0.0, 0
-    for batch in batches:
-        logp, valid = token_log_probs(model, batch["input_ids"], batch["attention_mask"])
+    for logp, valid in log_probs:
         total -= float(logp.sum())
         count += int(valid.sum())
     if count == 0:
@@ -78,16 +82,30 @@ def text_nll(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> TextS
     return TextScores(nll, math.exp(nll), count)
 
 
-def split_nll(model: nn.Module, encoder: InputEncoder, split: TaskSplit, max_length: int,
-              batch_size: int = LM_BATCH_SIZE) -> float:
-    """A causal LM's mean token NLL on a task split's texts (each truncated to `max_length` tokens):
-    the score of a language-model task, as accuracy is a classifier's (lower is better)."""
+@torch.no_grad()
+def text_nll(model: nn.Module, batches: Iterable[Mapping[str, Tensor]]) -> TextScores:
+    """Mean token NLL and perplexity of `model` over `batches` (input_ids, attention_mask; right padding)."""
+    model.eval()
+    return mean_token_nll(token_log_probs(model, b["input_ids"], b["attention_mask"]) for b in batches)
+
+
+def split_batches(encoder: InputEncoder, split: TaskSplit, max_length: int,
+                  batch_size: int = LM_BATCH_SIZE) -> list[dict[str, Tensor]]:
+    """A task split's texts encoded in batches (each text truncated to `max_length` tokens), as a
+    causal LM is scored on them; a tokenizer that pads on the left is an error naming the task."""
     check_examples(encoder, split.examples, split.task)
     batches = encode_batches(encoder, list(split.examples), max_length, batch_size)
     if any(bool((b["attention_mask"][:, 0] == 0).any()) for b in batches):
         raise ValueError(f"task {split.task!r}: the tokenizer pads on the left; language-model scores need right "
                          "padding (tokenizer.padding_side = 'right')")
-    return text_nll(model, batches).nll
+    return batches
+
+
+def split_nll(model: nn.Module, encoder: InputEncoder, split: TaskSplit, max_length: int,
+              batch_size: int = LM_BATCH_SIZE) -> float:
+    """A causal LM's mean token NLL on a task split's texts (`split_batches`): the score of a
+    language-model task, as accuracy is a classifier's (lower is better)."""
+    return text_nll(model, split_batches(encoder, split, max_length, batch_size)).nll
 
 
 def _continuation_ids(tokenizer, context: str, choice: str) -> tuple[list[int], list[int]]:
@@ -138,5 +156,5 @@ def choice_accuracy(model: nn.Module, tokenizer, items: Sequence[ChoiceItem]) ->
     return ChoiceScores(right / len(items), right_norm / len(items), len(items))
 
 
-__all__ = ["ChoiceItem", "ChoiceScores", "TextScores", "choice_accuracy", "choice_log_likelihoods", "split_nll",
-           "text_nll", "token_log_probs"]
+__all__ = ["ChoiceItem", "ChoiceScores", "TextScores", "choice_accuracy", "choice_log_likelihoods",
+           "logits_log_probs", "mean_token_nll", "split_batches", "split_nll", "text_nll", "token_log_probs"]

@@ -12,6 +12,7 @@ from featcal.calibration.calibrate import block_drift, enter_streams, LayerDrift
 from featcal.data.encoders import InputEncoder
 from featcal.data.splits import TaskSplit
 from featcal.families import Family
+from featcal.families.base import run_streams
 from featcal.io.checkpoints import with_backbone_assigned
 from featcal.evaluation.language import split_nll
 from featcal.evaluation.predictions import accuracy
@@ -22,17 +23,28 @@ Batches = Mapping[str, list[Mapping[str, Tensor]]]
 DRIFT_BATCH_SIZE = 32   # examples per batch when drift is measured on test examples
 
 
-def _drift_by_layer(family: Family, candidate: nn.Module, batches: Batches, expert_bbs: Mapping[str, nn.Module],
-                    expert_after: Callable[[int, Streams], Streams]) -> list[LayerDrift]:
+def _drift_by_layer(family: Family, candidate: nn.Module, batches: Batches,
+                    drift_at: Callable[[int, Streams], LayerDrift]) -> list[LayerDrift]:
     """The candidate runs its own forward; after each block k its outputs are compared with the
-    experts' (`expert_after(k, candidate streams)`)."""
+    experts' (`drift_at(k, candidate streams)`)."""
     cand_bb = family.backbone(candidate).eval()
     cand = enter_streams(family, cand_bb, batches)
     out = []
     for index in range(len(family.blocks(cand_bb))):
-        cand = {t: [family.run_block(cand_bb, index, s) for s in ss] for t, ss in cand.items()}
-        out.append(block_drift(family, index, cand_bb, expert_bbs, cand, expert_after(index, cand)))
+        cand = run_streams(family, cand_bb, index, cand)
+        out.append(drift_at(index, cand))
     return out
+
+
+def drift_to_cache(family: Family, index: int, backbone: nn.Module, candidate: Streams,
+                   expert_states: Callable[[int], Mapping[str, Tensor]]) -> LayerDrift:
+    """Block `index`'s drift: the candidate's streams just out of it against the experts' cached
+    states leaving it (`expert_states(index + 1)`). The expert states are compared, never run:
+    resumed on the candidate's backbone, they keep the experts' hidden states and carried tensors
+    (what `Family.block_output` reads)."""
+    same = {t: backbone for t in candidate}
+    experts = split_like(family, index + 1, expert_states(index + 1), candidate, same)
+    return block_drift(family, index, backbone, same, candidate, experts)
 
 
 @torch.no_grad()
@@ -43,25 +55,23 @@ def drift_to_states(
     (`expert_states(k)`: each task's expert states entering block k, e.g. a cache), layer by layer,
     over every real token of every example."""
     cand_bb = family.backbone(candidate).eval()
-    # the expert states are compared, never run: resumed on the candidate's backbone, they keep
-    # the experts' hidden states and carried tensors (what `Family.block_output` reads)
-    same = {t: cand_bb for t in batches}
-    return _drift_by_layer(family, candidate, batches, same,
-                           lambda k, cand: split_like(family, k + 1, expert_states(k + 1), cand, same))
+    return _drift_by_layer(family, candidate, batches,
+                           lambda k, cand: drift_to_cache(family, k, cand_bb, cand, expert_states))
 
 
 @torch.no_grad()
 def layer_drift(family: Family, experts: Mapping[str, nn.Module], candidate: nn.Module, batches: Batches) -> list[LayerDrift]:
     """The same against the experts run in memory, each on its own task's batches (any family)."""
+    cand_bb = family.backbone(candidate).eval()
     exp_bbs = {t: family.backbone(experts[t]).eval() for t in batches}
     exp = ModuleWeights(None, exp_bbs).enter_experts(family, batches)
 
-    def advance(index: int, _cand: Streams) -> Streams:
+    def drift_at(index: int, cand: Streams) -> LayerDrift:
         nonlocal exp
-        exp = {t: [family.run_block(exp_bbs[t], index, s) for s in ss] for t, ss in exp.items()}
-        return exp
+        exp = run_streams(family, exp_bbs, index, exp)
+        return block_drift(family, index, cand_bb, exp_bbs, cand, exp)
 
-    return _drift_by_layer(family, candidate, batches, exp_bbs, advance)
+    return _drift_by_layer(family, candidate, batches, drift_at)
 
 
 @torch.no_grad()
@@ -103,4 +113,4 @@ def drift_rows(merged: list[LayerDrift], calibrated: list[LayerDrift]) -> list[d
     ]
 
 
-__all__ = ["LayerDrift", "asdict", "drift_rows", "gap_closed", "layer_drift", "summary"]
+__all__ = ["LayerDrift", "asdict", "drift_rows", "drift_to_cache", "gap_closed", "layer_drift", "summary"]

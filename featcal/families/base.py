@@ -200,9 +200,24 @@ class Family:
         """
         return stream.hidden, stream.mask
 
+    def last_hidden_state(self, backbone: nn.Module, stream: Stream) -> Tensor:
+        """The backbone's output (`last_hidden_state`, [B, T, d]) from the stream the last block
+        returned: what a head reading every token (a causal LM's) is given, when the blocks run one
+        at a time. Families whose backbone ends in a final norm say so (Llama-like decoders)."""
+        raise NotImplementedError(f"family {self.name!r}: the backbone's output from the last block's stream")
+
     def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
         """The representation after the last block that heads read ([B, d]); used for drift."""
         return pool(stream.hidden, stream.mask, stream.pooled_index)
+
+
+def run_streams(family: Family, backbones: nn.Module | Mapping[str, nn.Module], index: int,
+                streams: Mapping[str, list[Stream]]) -> dict[str, list[Stream]]:
+    """Every task's streams through block `index` of `backbones` (one backbone, or one per task)."""
+    def backbone(task: str) -> nn.Module:
+        return backbones if isinstance(backbones, nn.Module) else backbones[task]
+
+    return {t: [family.run_block(backbone(t), index, s) for s in ss] for t, ss in streams.items()}
 
 
 def pool(hidden: Tensor, mask: Tensor, pooled_index: Tensor | None) -> Tensor:

@@ -74,6 +74,10 @@ class LlamaFamily(Family):
         kwargs = {k: v for k, v in stream.kwargs.items() if k not in CACHE_KWARGS}
         return replace(stream, kwargs=kwargs, pooled_index=self.last_token(backbone, inputs, stream.mask))
 
+    def last_hidden_state(self, backbone: nn.Module, stream: Stream) -> Tensor:
+        """norm(h_L) at every token, as the decoder's forward ends."""
+        return backbone.norm(stream.hidden)
+
     def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
         """norm(h_L) at the pooled token: what `score` reads."""
         last = stream.hidden[torch.arange(stream.hidden.shape[0], device=stream.hidden.device), stream.pooled_index]
@@ -95,7 +99,7 @@ class LlamaCausalLMFamily(LlamaFamily):
 
     def head_features(self, backbone: nn.Module, stream: Stream) -> Tensor:
         """norm(h_L), the LM head's input, averaged over each example's real tokens."""
-        return pool(backbone.norm(stream.hidden), stream.mask, None)
+        return pool(self.last_hidden_state(backbone, stream), stream.mask, None)
 
 
 LLAMA_CAUSAL_LM = LlamaCausalLMFamily()

@@ -5,11 +5,13 @@ loads them, and a writer of sharded folders.
 - `CheckpointReader`: a model folder whose tensors are read by name, each file opened only for
   the read; `LazyBackbone`: a skeleton of a backbone whose parameters live on the meta device
   until `loaded(...)` reads the ones a step needs, and go back to meta after.
-- `ShardWriter`: writes tensors into shards of bounded size plus the index.
+- `ShardWriter`: writes tensors into shards of bounded size plus the index; `save_multitask_from`:
+  the multi-task layout with its backbone copied from a checkpoint group by group.
 
 Tensors from safetensors are memory-mapped (copy-on-write); dropping them gives the pages back.
-The drivers that use these are `featcal.calibration.lazy` (FeatCal one block at a time) and
-`featcal.merging.lazy` (merging one block at a time).
+The drivers that use these are `featcal.calibration.lazy` (FeatCal one block at a time),
+`featcal.merging.lazy` (merging one block at a time) and `featcal.evaluation.streamed` (a causal
+LM scored one block at a time).
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ import copy
 import json
 import os
 import re
+import shutil
 import struct
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from featcal.io.models import backbone_kwargs, backbone_of, is_causal_lm, resolve_model_ref
+from featcal.io.models import (atomic_dir, backbone_kwargs, backbone_of, check_finite, head_state, is_causal_lm,
+                               resolve_model_ref, save_heads)
 from featcal.profiling import phase
 
 
@@ -96,6 +100,25 @@ class CheckpointReader:
                 f"files there: {present}"
             )
         self._headers: dict[Path, dict] = {}
+        self.replaced: dict[str, torch.dtype] = {}   # names read from another file -> the dtype they replace
+
+    def with_tensors_from(self, files: Iterable[str | os.PathLike]) -> "CheckpointReader":
+        """This checkpoint with each safetensors file's tensors read in place of its own, cast to the
+        dtype of the tensor each replaces: the calibrated layers over the merged backbone, read a
+        block at a time, as `featcal.io.models.with_parameters_from` puts them into a model in memory
+        (the same error for a name the checkpoint lacks; a shape it does not have is one too)."""
+        out = copy.copy(self)
+        out.weight_map, out.replaced = dict(self.weight_map), dict(self.replaced)
+        for path in map(Path, files):
+            for name, info in _read_header(path).items():
+                if name not in self.weight_map:
+                    raise ValueError(f"{path}: parameter {name!r} is not in the model")
+                if tuple(info["shape"]) != self.shape(name):
+                    raise ValueError(f"{path}: parameter {name!r} has shape {tuple(info['shape'])}, the model's "
+                                     f"is {self.shape(name)}")
+                out.replaced[name] = self.dtype(name)
+                out.weight_map[name] = path
+        return out
 
     @staticmethod
     def _resolve(path: str | os.PathLike) -> Path:
@@ -135,6 +158,8 @@ class CheckpointReader:
         return tuple(self.header(name)["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
+        if name in self.replaced:
+            return self.replaced[name]
         code = self.header(name)["dtype"]
         if code not in _DTYPES:
             raise ValueError(f"{self._file(name)}: tensor {name!r} has unsupported dtype {code}")
@@ -161,7 +186,16 @@ class CheckpointReader:
             with safe_open(file, framework="pt") as f:
                 for name in file_names:
                     out[name] = f.get_tensor(name)
+                    if name in self.replaced:
+                        out[name] = out[name].to(self.replaced[name])
         return {name: out[name] for name in names}
+
+    def groups(self) -> list[list[str]]:
+        """The tensor names in natural order, by tensor group (`block_group`: one block, or one other tensor)."""
+        out: dict[str, list[str]] = {}
+        for name in sorted(self.weight_map, key=_natural):
+            out.setdefault(block_group(name), []).append(name)
+        return list(out.values())
 
     def find_prefix(self, name: str) -> str:
         """The prefix under which this checkpoint stores a backbone tensor `name`.
@@ -443,3 +477,34 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         return written + [self.folder / INDEX_FILE]
+
+
+COPY_SHARD_BYTES = 10**9   # shards of a checkpoint copied group by group: at most this, or the source's largest file
+
+
+def save_multitask_from(out_dir: str | os.PathLike, reader: CheckpointReader, task_models: Mapping[str, nn.Module],
+                        encoder=None) -> list[Path]:
+    """`featcal.io.models.save_multitask`'s layout with the backbone copied from a checkpoint (e.g.
+    the merged folder `with_tensors_from` the calibrated layers) one tensor group at a time, so no
+    whole model is in memory: the source's tensors under their names, in shards no larger than its
+    own largest file nor `COPY_SHARD_BYTES`, its `config.json`, then the heads and the encoder
+    (`save_heads`). Written atomically; nothing is written when a tensor is NaN or infinite.
+    Returns the weight files written."""
+    for task, model in task_models.items():   # before gigabytes are copied
+        check_finite(head_state(model), f"refusing to write {out_dir}: the head of task {task!r}")
+    config = reader.folder / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{reader.folder}: no config.json to copy with its tensors")
+    largest = max(file.stat().st_size for file in reader.files)
+    with atomic_dir(out_dir) as tmp:
+        writer = ShardWriter(tmp, min(largest, COPY_SHARD_BYTES))
+        for group in reader.groups():
+            tensors = reader.read(group)
+            check_finite(tensors, f"refusing to write {out_dir}: the backbone")
+            for name, value in tensors.items():
+                writer.add(name, value)
+            del tensors
+        written = writer.close()
+        shutil.copy2(config, tmp / "config.json")
+        save_heads(tmp, task_models, encoder)
+    return [Path(out_dir) / p.name for p in written]
