@@ -2,6 +2,8 @@
 
 Only the calibrated model is scored here; the merged model's scores and drift come from
 `evaluate-merged` and the experts' from `finetune@<task>`, so an α experiment re-runs only this.
+A causal LM is never whole in memory: its calibrated folder is copied tensor group by tensor group
+and it is scored one decoder block at a time.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import json
 from pathlib import Path
 
 from common import TIMING_DIR, enabled_tasks, load_params, read_json, setup_logging, timed
-from evaluate_merged import evaluate_backbone
+from evaluate_merged import evaluate_backbone, evaluate_streamed, is_language_model
 
 from featcal.calibration.calibrate import LayerDrift
 from featcal.evaluation.scoring import drift_rows, gap_closed, summary
-from featcal.io.checkpoints import load_head
+from featcal.io.checkpoints import CheckpointReader, load_head, save_multitask_from
 from featcal.data.encoders import load_encoder
-from featcal.io.models import is_causal_lm, load_backbone, save_multitask, with_parameters_from, write_json
+from featcal.io.models import load_backbone, save_multitask, with_parameters_from, write_json
 from featcal.evaluation.plots import plot_drift
 
 
@@ -35,6 +37,27 @@ def own_timings(params: dict, tasks: list[str], layers: list[str]) -> dict:
         if stage in wanted or ("@" not in stage and stage != "tune"):
             out[stage] = read_json(path)
     return out
+
+
+def write_and_score(args, heads: dict, params: dict, layer_files: list[str]) -> tuple[dict, list]:
+    """The calibrated backbone in memory: the merged one with the layers put in; written, then scored."""
+    try:
+        calibrated = with_parameters_from(load_backbone(args.merged), layer_files)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    save_multitask(args.out_model, calibrated, heads, load_encoder(args.merged))
+    return evaluate_backbone(calibrated, heads, params, args.features, args.merged)
+
+
+def write_and_score_streamed(args, heads: dict, params: dict, layer_files: list[str]) -> tuple[dict, list]:
+    """A causal LM's: the merged folder's tensors with the layers in place, copied group by group,
+    then scored one block at a time."""
+    try:
+        calibrated = CheckpointReader(args.merged).with_tensors_from(layer_files)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
+    save_multitask_from(args.out_model, calibrated, heads, load_encoder(args.merged))
+    return evaluate_streamed(args.merged, heads, params, args.features, layer_files)
 
 
 def main() -> None:
@@ -55,13 +78,11 @@ def main() -> None:
     tasks = enabled_tasks(params)
     with timed("evaluate"):
         layer_files = sorted(glob.glob(f"{args.layers}/L*.safetensors"))
-        try:
-            calibrated = with_parameters_from(load_backbone(args.merged), layer_files)
-        except ValueError as err:
-            raise SystemExit(str(err)) from None
         heads = {t: load_head(Path(args.experts) / t) for t in tasks}
-        save_multitask(args.out_model, calibrated, heads, load_encoder(args.merged))
-        scores, drift = evaluate_backbone(calibrated, heads, params, args.features, args.merged)
+        if is_language_model(heads):   # one decoder block in memory at a time
+            scores, drift = write_and_score_streamed(args, heads, params, layer_files)
+        else:
+            scores, drift = write_and_score(args, heads, params, layer_files)
         merged = read_json(args.merged_scores)
         metrics = {
             # the expert's test accuracy was measured by finetune@<task> on this same split
@@ -70,7 +91,7 @@ def main() -> None:
             "featcal": summary(scores),
         }
         metrics["gap_closed"] = gap_closed(metrics["experts"]["avg"], metrics["merged"]["avg"], metrics["featcal"]["avg"])
-        if any(is_causal_lm(heads[t]) for t in tasks):
+        if is_language_model(heads):
             # language-model tasks: the scores are mean token NLLs; the gap closed on each expert's own task
             metrics["score"] = "nll"
             metrics["gap_closed_per_task"] = {t: gap_closed(metrics["experts"][t], metrics["merged"][t],
