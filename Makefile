@@ -77,6 +77,22 @@ exp-mpnet: setup-mpnet
 	@test -n "$(SET)" || { echo "usage: make exp-mpnet SET=featcal.alpha=0.5  (any mpnet/params.yaml key)" >&2; exit 2; }
 	cd mpnet && $(CURDIR)/$(PY) ../stages/exp.py --dvc $(CURDIR)/.venv/bin/dvc
 
+# The language-model pipeline (llm/: its own params.yaml, dvc.yaml generated from the root's): three text domains
+# on Qwen2.5-Coder-1.5B, LoRA experts, Task Arithmetic + FeatCal over 28 blocks, scored by mean token NLL
+# (docs/llm.md). make bench-llm runs its `dvc repro` and writes llm/results/bench_llm.json.
+LLM_DVC := cd llm && $(CURDIR)/$(PY) ../stages/with_warm_stages.py $(CURDIR)/.venv/bin/dvc
+
+.PHONY: repro-llm bench-llm
+repro-llm: setup-llm
+	cd llm && $(CURDIR)/$(PY) ../stages/gen_chain.py
+	cd llm && $(CURDIR)/$(PY) ../stages/exp.py --check
+	$(LLM_DVC) repro
+
+bench-llm: setup-llm
+	cd llm && $(CURDIR)/$(PY) ../stages/gen_chain.py
+	cd llm && $(CURDIR)/$(PY) ../stages/exp.py --check
+	$(PY) bench/llm.py
+
 # Two pytest-xdist workers, one per core of the target machine; the tiny DVC project builds once.
 TEST_WORKERS ?= 2
 

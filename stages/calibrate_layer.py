@@ -29,6 +29,27 @@ from featcal.calibration.solve import ILL_CONDITIONED
 from featcal.io.feature_store import StoreFormat, read_group, write_group, write_rows
 
 
+def calibrate_from_caches(params: dict, k: int, config: FeatCalConfig, merged: str, experts: str, features: str,
+                          student_in: str):
+    """Block k calibrated from the pipeline's caches: the calibration inputs and the experts' states
+    under `features`, the student states entering it (`student_in`; unused for block 0) and the weights
+    of `merged`, the base and `experts`/<task>; data-parallel under torchrun (this process's shard)."""
+    tasks = enabled_tasks(params)
+    batch_size = int(get(params, "calibration.batch_size"))
+    batches = batches_from_arrays(read_group(f"{features}/inputs.zarr"), batch_size)
+    batches = distributed.shard_batches({t: batches[t] for t in tasks})
+
+    def states(path: str) -> dict:
+        return distributed.shard_examples(states_of(read_group(path), tasks), batch_size)
+
+    student = None if k == 0 else states(student_in)
+    return calibrate_cached_layer(
+        k, merged, get(params, "model.base"), {t: f"{experts}/{t}" for t in tasks}, batches, student,
+        lambda layer: states(f"{features}/layer_{layer:02d}.zarr"), config,
+        reduce_moments=distributed.AllReduceMoments(tasks), reduce_sums=distributed.all_reduce_sums,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layer", type=int, required=True)
@@ -58,19 +79,7 @@ def main() -> None:
             tuned = get(load_params(args.featcal_params), "featcal")
             featcal.update({key: tuned[key] for key in (*HYPER_KEYS, "layer_overrides") if key in tuned})
         config = FeatCalConfig.from_mapping(featcal)
-        batches = batches_from_arrays(read_group(f"{args.features}/inputs.zarr"), batch_size)
-        batches = distributed.shard_batches({t: batches[t] for t in tasks})
-
-        def states(path: str) -> dict:
-            return distributed.shard_examples(states_of(read_group(path), tasks), batch_size)
-
-        student = None if k == 0 else states(args.student_in)
-        out = calibrate_cached_layer(
-            k, args.merged, get(params, "model.base"), {t: f"{args.experts}/{t}" for t in tasks}, batches, student,
-            lambda layer: states(f"{args.features}/layer_{layer:02d}.zarr"), config,
-            reduce_moments=distributed.AllReduceMoments(tasks), reduce_sums=distributed.all_reduce_sums,
-        )
-        del student   # held by the walk's streams until now
+        out = calibrate_from_caches(params, k, config, args.merged, args.experts, args.features, args.student_in)
         student_next = distributed.gather_examples(out.student_next, batch_size)
         out.student_next = {}
         if distributed.is_main():

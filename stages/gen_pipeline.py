@@ -7,6 +7,9 @@ files are generated from the root's, never edited by hand (tests/test_subpipelin
 committed ones are current). Run it after changing dvc.yaml or compare/dvc.yaml:
 
     python stages/gen_pipeline.py mpnet
+
+compare/dvc.yaml's stages read `compare:`: a folder whose params.yaml has no such section (llm/: a
+causal-LM project, which the classifier comparisons do not apply to) gets dvc.yaml alone.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ def render(root: Path, source: str, folder: Path) -> str:
     return HEADER.format(folder=folder.as_posix(), source=source) + body
 
 
+def pipelines_of(folder: Path) -> tuple[str, ...]:
+    """The root's pipeline files `folder` gets: compare/dvc.yaml only where its params have `compare:`."""
+    params = yaml.safe_load((folder / "params.yaml").read_text(encoding="utf-8")) or {}
+    return PIPELINES if "compare" in params else PIPELINES[:1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="the subproject's folder, relative to the project root (e.g. mpnet)")
@@ -77,7 +86,7 @@ def main() -> None:
         raise SystemExit(f"{args.folder}: give a folder inside the project, relative to its root")
     if not (folder / "params.yaml").is_file():
         raise SystemExit(f"{folder}/params.yaml not found: a subproject has its own params (copy params.yaml there)")
-    for source in PIPELINES:
+    for source in pipelines_of(folder):
         out = folder / source
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(render(Path("."), source, folder), encoding="utf-8")

@@ -343,7 +343,10 @@ class CompareSigmerge(Section):
 
 
 class Compare(Section):
-    anchors: mapping_of(mapping_of()) = {}
+    # params.yaml's three anchors at their papers' defaults: a project without `compare:` passes the
+    # sigmerge check below with the defaults (compare.sigmerge.anchors are among them)
+    anchors: mapping_of(mapping_of()) = {"task_arithmetic": {"scale": 0.3}, "ties": {"density": 0.2, "scale": 1.0},
+                                         "regmean_plus_plus": {"off_diagonal": 0.95, "examples_per_task": 256}}
     examples_per_task: integer(1) = 128
     sample_sizes: list_of(integer(1), 1) = [128]
     corruptions: list_of(Text) = []
