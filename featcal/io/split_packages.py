@@ -299,8 +299,11 @@ def dequantize_gguf(checkpoint: SplitCheckpoint, files: Sequence[Path], out: Pat
         tokenizer = AutoTokenizer.from_pretrained(out, gguf_file=gguf.name)
         config = model.config
         config.__dict__.pop("quantization_config", None)
-        # GGUF stores no tied head: the loader copies the embeddings into lm_head (a second 233M-parameter
-        # copy); an equal head is written as the tie it is
+        # the class to rebuild (featcal.io.models.is_causal_lm_config reads it): a GGUF config names none
+        config.architectures = [type(model).__name__]
+        # a head equal to the embeddings is written as the tie it is; Qwen2.5-Coder-1.5B's GGUF holds its
+        # own output tensor, quantized apart from the embeddings (7 % relative difference once dequantized),
+        # so its head stays a separate tensor (1.78B parameters as loaded)
         if torch.equal(model.lm_head.weight, model.get_input_embeddings().weight):
             config.tie_word_embeddings = True
             state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
