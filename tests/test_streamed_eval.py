@@ -173,6 +173,10 @@ def test_a_layer_file_the_model_lacks_and_a_non_finite_tensor_are_refused_naming
     save_file({"layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}, bad)
     with pytest.raises(ValueError, match=r"L09.safetensors: parameter 'layers.9.mlp.up_proj.weight' is not in the model"):
         score_streamed(saved["merged_dir"], saved["heads"], saved["encoder"], saved["splits"], saved["lengths"], [bad])
+    save_file({"layers.1.mlp.up_proj.weight": torch.zeros(2, 2)}, bad)
+    with pytest.raises(ValueError, match=r"L09.safetensors: parameter 'layers.1.mlp.up_proj.weight' has shape \(2, 2\), "
+                                         r"the model's is \(48, 24\)"):
+        CheckpointReader(saved["merged_dir"]).with_tensors_from([bad])
     layer = load_file(saved["layer_files"][0])
     name = sorted(layer)[0]
     layer[name].view(-1)[0] = float("nan")
