@@ -19,6 +19,7 @@ start_stage()   # the stage environment; returns unless a warm interpreter ran t
 
 from featcal.data.splits import CalibrationSpec  # noqa: E402
 from featcal.io.models import write_json  # noqa: E402
+from featcal.profiling import phase_times  # noqa: E402
 from params_schema import ParamsError, validate, validate_tuned  # noqa: E402
 
 TIMING_DIR = Path("results/timing")
@@ -101,14 +102,18 @@ def setup_logging() -> None:
 @contextmanager
 def timed(stage: str):
     """Record the stage's wall seconds and peak resident memory in results/timing/<stage>.json
-    (under torchrun: rank 0's, so the ranks never write one file at once)."""
+    (under torchrun: rank 0's, so the ranks never write one file at once), and where a calibration
+    ran, its seconds per phase (forwards, moment products, solve: `featcal.profiling.phase`)."""
     start = time.perf_counter()
-    yield
+    with phase_times() as phases:
+        yield
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if os.environ.get("RANK", "0") != "0":
         return
-    write_json(TIMING_DIR / f"{stage}.json", {"stage": stage, "wall_s": round(time.perf_counter() - start, 2),
-                                              "peak_rss_mib": round(peak_mib, 1)})
+    record = {"stage": stage, "wall_s": round(time.perf_counter() - start, 2), "peak_rss_mib": round(peak_mib, 1)}
+    if phases:
+        record["phases_s"] = {name: round(seconds, 2) for name, seconds in phases.items()}
+    write_json(TIMING_DIR / f"{stage}.json", record)
 
 
 def read_json(path) -> dict:

@@ -53,6 +53,8 @@ def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(projec
     assert len(json.loads((project / "results/drift.json").read_text())) == 2
     timing = json.loads((project / "results/timing.json").read_text())
     assert "calibrate-layer@L01" in timing and timing["calibrate-layer@L01"]["peak_rss_mib"] > 0
+    # a calibrate-layer stage also says where its seconds went
+    assert {"capture forwards", "moments", "solve", "advance forwards"} <= set(timing["calibrate-layer@L01"]["phases_s"])
     before = (project / "calib/layers/L01.safetensors").read_bytes()
 
     params = yaml.safe_load((project / "params.yaml").read_text())
