@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from common import TIMING_DIR, enabled_tasks, load_params, read_json, setup_logging, timed
-from evaluate_merged import evaluate_backbone, evaluate_streamed, is_language_model
+from evaluate_merged import evaluate_backbone, evaluate_streamed, expert_folders, is_language_model
 
 from featcal.calibration.calibrate import LayerDrift
 from featcal.evaluation.scoring import drift_rows, gap_closed, summary
@@ -49,15 +49,15 @@ def write_and_score(args, heads: dict, params: dict, layer_files: list[str]) -> 
     return evaluate_backbone(calibrated, heads, params, args.features, args.merged)
 
 
-def write_and_score_streamed(args, heads: dict, params: dict, layer_files: list[str]) -> tuple[dict, list]:
+def write_and_score_streamed(args, expert_dirs: dict, params: dict, layer_files: list[str]) -> tuple[dict, list]:
     """A causal LM's: the merged folder's tensors with the layers in place, copied group by group,
-    then scored one block at a time."""
+    then scored one block at a time; each task's head is read from its expert folder while it is used."""
     try:
         calibrated = CheckpointReader(args.merged).with_tensors_from(layer_files)
     except ValueError as err:
         raise SystemExit(str(err)) from None
-    save_multitask_from(args.out_model, calibrated, heads, load_encoder(args.merged))
-    return evaluate_streamed(args.merged, heads, params, args.features, layer_files)
+    save_multitask_from(args.out_model, calibrated, expert_dirs, load_encoder(args.merged))
+    return evaluate_streamed(args.merged, expert_dirs, params, args.features, layer_files)
 
 
 def main() -> None:
@@ -78,10 +78,12 @@ def main() -> None:
     tasks = enabled_tasks(params)
     with timed("evaluate"):
         layer_files = sorted(glob.glob(f"{args.layers}/L*.safetensors"))
-        heads = {t: load_head(Path(args.experts) / t) for t in tasks}
-        if is_language_model(heads):   # one decoder block in memory at a time
-            scores, drift = write_and_score_streamed(args, heads, params, layer_files)
+        expert_dirs = expert_folders(args.experts, tasks)
+        language_model = is_language_model(expert_dirs)
+        if language_model:   # one decoder block, and one task's head, in memory at a time
+            scores, drift = write_and_score_streamed(args, expert_dirs, params, layer_files)
         else:
+            heads = {t: load_head(d) for t, d in expert_dirs.items()}
             scores, drift = write_and_score(args, heads, params, layer_files)
         merged = read_json(args.merged_scores)
         metrics = {
@@ -91,7 +93,7 @@ def main() -> None:
             "featcal": summary(scores),
         }
         metrics["gap_closed"] = gap_closed(metrics["experts"]["avg"], metrics["merged"]["avg"], metrics["featcal"]["avg"])
-        if is_language_model(heads):
+        if language_model:
             # language-model tasks: the scores are mean token NLLs; the gap closed on each expert's own task
             metrics["score"] = "nll"
             metrics["gap_closed_per_task"] = {t: gap_closed(metrics["experts"][t], metrics["merged"][t],

@@ -20,7 +20,7 @@ from featcal.evaluation.streamed import DriftInputs, score_streamed
 from featcal.families import family_for
 from featcal.io.checkpoints import load_head
 from featcal.data.encoders import load_encoder
-from featcal.io.models import is_causal_lm, load_backbone, write_json
+from featcal.io.models import load_backbone, saved_as_causal_lm, write_json
 from featcal.io.feature_store import read_group
 
 
@@ -34,16 +34,22 @@ def evaluate_backbone(backbone, heads: dict, params: dict, features: str, encode
 def evaluate_streamed(model_dir: str, heads: dict, params: dict, features: str,
                       layer_files: Sequence[str] = ()) -> tuple[dict, list]:
     """`evaluate_backbone` of a causal LM's folder (with `layer_files` put in place), read one decoder
-    block at a time: the same numbers without the whole model in memory."""
+    block at a time (`heads`: each task's expert folder, or its `load_head` model): the same numbers
+    without the whole model in memory."""
     result = score_streamed(model_dir, heads, load_encoder(model_dir), *test_splits(params, list(heads)),
                             layer_files, test_drift_inputs(list(heads), features))
     return result.scores, result.drift
 
 
-def is_language_model(heads: dict) -> bool:
-    """Whether the project's tasks are causal-LM tasks (the params check refuses a mix): their
-    evaluation streams the model a block at a time."""
-    return any(is_causal_lm(h) for h in heads.values())
+def is_language_model(expert_dirs: dict) -> bool:
+    """Whether the project's experts are causal LMs (the params check refuses a mix of objectives),
+    from their configs: their evaluation streams the model a block at a time and loads each task's
+    head (an untied LM head: vocabulary x hidden floats) only while it is used."""
+    return any(saved_as_causal_lm(d) for d in expert_dirs.values())
+
+
+def expert_folders(experts: str, tasks: list[str]) -> dict[str, str]:
+    return {t: str(Path(experts) / t) for t in tasks}
 
 
 def test_splits(params: dict, tasks: list[str]) -> tuple[dict, dict]:
@@ -76,10 +82,11 @@ def main() -> None:
     params = load_params()
     tasks = enabled_tasks(params)
     with timed("evaluate-merged"):
-        heads = {t: load_head(Path(args.experts) / t) for t in tasks}
-        if is_language_model(heads):   # one decoder block in memory at a time
-            scores, drift = evaluate_streamed(args.merged, heads, params, args.features)
+        expert_dirs = expert_folders(args.experts, tasks)
+        if is_language_model(expert_dirs):   # one decoder block, and one task's head, in memory at a time
+            scores, drift = evaluate_streamed(args.merged, expert_dirs, params, args.features)
         else:
+            heads = {t: load_head(d) for t, d in expert_dirs.items()}
             scores, drift = evaluate_backbone(load_backbone(args.merged), heads, params, args.features, args.merged)
         write_json(args.out, {"test": summary(scores), "drift": [asdict(d) for d in drift]})
     print(f"merged: test avg {summary(scores)['avg']:.4f}")

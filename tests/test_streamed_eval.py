@@ -66,7 +66,7 @@ def saved_lm(root, model_type: str, tied: bool) -> dict:
                     vocab={w: i for i, w in enumerate(VOCAB)})),
                 splits={t: TaskSplit(t, "test", texts(i), torch.zeros(N_TEXTS, dtype=torch.long))
                         for i, t in enumerate(TASKS)},
-                lengths={"a": 16, "b": 9}, drift=DriftInputs(drift_batches, lambda k: states[k]))
+                lengths={"a": 16, "b": 9}, drift=DriftInputs(drift_batches, lambda k: states[k]), tied=tied)
 
 
 @pytest.fixture(scope="module", params=[("qwen2", True), ("mistral", False)], ids=["qwen2-tied", "mistral-untied"])
@@ -103,8 +103,9 @@ def test_streamed_scores_and_drift_are_those_of_the_whole_model(saved, calibrate
 def test_the_streamed_scorer_never_holds_more_than_one_block(saved, monkeypatch):
     """Every decoder block that runs is a block of a `LazyBackbone` in which it is the only block
     loaded, with nothing outside the blocks loaded (the streams enter with the embeddings alone,
-    the forward stopped at block 0); the LM head runs with no block loaded. Loading the model whole
-    (a block run outside a lazy backbone, or beside its neighbours) fails this."""
+    the forward stopped at block 0); the LM head runs with no block loaded, and an untied one
+    without the embeddings. Loading the model whole (a block run outside a lazy backbone, or beside
+    its neighbours) fails this."""
     lazies = []
     init = LazyBackbone.__init__
 
@@ -113,7 +114,7 @@ def test_the_streamed_scorer_never_holds_more_than_one_block(saved, monkeypatch)
         lazies.append(self)
 
     monkeypatch.setattr(LazyBackbone, "__init__", recording)
-    heads = saved["heads"]
+    heads = {t: saved["root"] / t for t in TASKS}   # as the stages give them: each loaded while its task is scored
     seen = {"entries": 0, "blocks": 0, "lm_head": 0}
 
     def loaded(lazy) -> tuple[set[str], list[str]]:
@@ -130,9 +131,11 @@ def test_the_streamed_scorer_never_holds_more_than_one_block(saved, monkeypatch)
                 return
             assert len(blocks) == 1 and not outer, (blocks, outer)
             seen["blocks"] += 1
-        if any(module is h.get_output_embeddings() for h in heads.values()):
-            blocks, _ = loaded(lazies[-1])
+        if isinstance(module, torch.nn.Linear) and module.out_features == len(VOCAB):   # an LM head
+            blocks, outer = loaded(lazies[-1])
             assert not blocks, blocks
+            # the embeddings only for a head tied to them: an untied head needs the final norm alone
+            assert outer == (["embed_tokens.weight", "norm.weight"] if saved["tied"] else ["norm.weight"]), outer
             seen["lm_head"] += 1
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(check)
@@ -151,7 +154,7 @@ def test_the_calibrated_folder_is_copied_shard_by_shard_and_loads_as_the_model_s
     `COPY_SHARD_BYTES`: each task's model loads from it and equals the one save_multitask writes."""
     monkeypatch.setattr(checkpoints, "COPY_SHARD_BYTES", 10_000)   # the tiny model: ~65 kB, no tensor over 10 kB
     reader = CheckpointReader(saved["merged_dir"]).with_tensors_from(saved["layer_files"])
-    files = save_multitask_from(tmp_path / "streamed", reader, saved["heads"], saved["encoder"])
+    files = save_multitask_from(tmp_path / "streamed", reader, {t: saved["root"] / t for t in TASKS}, saved["encoder"])
     copied = CheckpointReader(tmp_path / "streamed")
     sizes = {f: sum(copied.nbytes(n) for n, g in copied.weight_map.items() if g == f) for f in copied.files}
     assert sorted(sizes) == sorted(f for f in files if f.suffix == ".safetensors")
@@ -186,3 +189,16 @@ def test_a_layer_file_the_model_lacks_and_a_non_finite_tensor_are_refused_naming
         save_multitask_from(tmp_path / "out", reader, saved["heads"], saved["encoder"])
     assert not (tmp_path / "out").exists()
 
+
+
+def test_a_non_finite_head_is_refused_before_the_backbone_is_copied(tmp_path, monkeypatch):
+    saved = saved_lm(tmp_path, "mistral", tied=False)   # (a tied head is the embeddings: no tensor of its own)
+    head = load_head(saved["root"] / "a")
+    with torch.no_grad():
+        head.lm_head.weight[0, 0] = float("inf")
+    copied = []
+    monkeypatch.setattr(CheckpointReader, "read", lambda self, names: copied.append(names))
+    with pytest.raises(NonFiniteWeightsError, match=r"refusing to write .*/out: the head of task 'a': tensor "
+                                                    r"'lm_head.weight' holds 0 NaN and 1 infinite"):
+        save_multitask_from(tmp_path / "out", CheckpointReader(saved["merged_dir"]), {"a": head}, saved["encoder"])
+    assert not copied and not (tmp_path / "out").exists()

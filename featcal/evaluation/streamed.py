@@ -4,10 +4,11 @@ loaded whole, without the whole model in memory.
 
 The model folder is read through a `LazyBackbone`: its embeddings while the test texts enter block
 0, then each block in turn (every task's streams through it, and the drift streams, compared with
-the experts' cached states leaving it), then the embeddings and the final norm again for the LM
-head, whose logits are taken `LM_HEAD_CHUNK` texts at a time. The blocks run on the very batches
-`split_nll` scores (the same padding), with the inputs each block receives captured from the
-model's own forward (`Family.enter`), so the scores are those of the whole model's forward.
+the experts' cached states leaving it), then for each task in turn its head and the final norm
+(the embeddings too for a head tied to them), the logits taken `LM_HEAD_CHUNK` texts at a time.
+The blocks run on the very batches `split_nll` scores (the same padding), with the inputs each
+block receives captured from the model's own forward (`Family.enter`), so the scores are those of
+the whole model's forward.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from featcal.evaluation.language import logits_log_probs, mean_token_nll, split_
 from featcal.evaluation.scoring import drift_to_cache
 from featcal.families import Family, family_for, Stream
 from featcal.families.base import block_prefixes, outer_prefixes, run_streams
-from featcal.io.checkpoints import CheckpointReader, empty_backbone, LazyBackbone, with_backbone_assigned
+from featcal.io.checkpoints import (CheckpointReader, empty_backbone, head_model, HeadSource, LazyBackbone, module_prefix,
+                                    with_backbone_assigned)
+from featcal.io.models import backbone_of
 from featcal.profiling import trim_heap
 
 Batches = Mapping[str, list[Mapping[str, Tensor]]]
@@ -67,7 +70,7 @@ def lazy_model(model_dir: str | os.PathLike, layer_files: Sequence[str | os.Path
 @torch.no_grad()
 def score_streamed(
     model_dir: str | os.PathLike,
-    heads: Mapping[str, nn.Module],
+    heads: Mapping[str, HeadSource],
     encoder: InputEncoder,
     splits: Mapping[str, TaskSplit],
     max_length: Mapping[str, int],
@@ -76,12 +79,14 @@ def score_streamed(
     progress: bool = True,
 ) -> StreamedScores:
     """Each task's mean token NLL on its split under its head (`heads[task]`: a causal LM, e.g. a
-    `featcal.io.checkpoints.load_head` model), of the backbone in `model_dir` with the tensors of
-    `layer_files` put in place, and with `drift` its per-block drift to the experts' states: the
-    numbers `score_backbone` and `drift_to_states` give for that backbone in memory, in one pass
-    over its blocks. In memory at once: one block, or the parameters outside the blocks (embeddings,
-    final norm), plus every task's streams at one block boundary and `LM_HEAD_CHUNK` texts' logits.
-    The heads are given their meta backbone back before this returns."""
+    `featcal.io.checkpoints.load_head` model, or the expert folder to load it from, then held only
+    while its task is scored), of the backbone in `model_dir` with the tensors of `layer_files` put
+    in place, and with `drift` its per-block drift to the experts' states: the numbers
+    `score_backbone` and `drift_to_states` give for that backbone in memory, in one pass over its
+    blocks. In memory at once: one block, or the parameters outside the blocks (the embeddings only
+    while the texts enter, or for a head tied to them), one task's head, every task's streams at one
+    block boundary and `LM_HEAD_CHUNK` texts' logits. A head given as a model gets its meta backbone
+    back before this returns."""
     lazy = lazy_model(model_dir, layer_files)
     family = family_for(lazy.module)
     texts = {t: split_batches(encoder, splits[t], max_length[t]) for t in heads}
@@ -99,15 +104,25 @@ def score_streamed(
                 compared = run_streams(family, backbone, index, compared)
                 out.drift.append(drift_to_cache(family, index, backbone, compared, drift.states))
         trim_heap()   # the block's freed pages out of the RSS the next block adds to
-    try:
-        with lazy.loaded(outer) as backbone:
-            for task, head in heads.items():
-                model = with_backbone_assigned(head, backbone)
-                out.scores[task] = lm_nll(model, family, backbone, streams[task], texts[task])
-    finally:
-        for head in heads.values():   # the loaded embeddings are freed, not held by the heads
-            with_backbone_assigned(head, lazy.module)
+    for task, head in heads.items():   # one task's head at a time
+        model = head_model(head)
+        try:
+            with lazy.loaded(head_inputs(lazy.module, model, outer)) as backbone:
+                out.scores[task] = lm_nll(with_backbone_assigned(model, backbone), family, backbone, streams[task],
+                                          texts[task])
+        finally:   # the tensors just loaded are freed, not held by the head
+            with_backbone_assigned(model, lazy.module)
+        del model
     return out
+
+
+def head_inputs(backbone: nn.Module, task_model: nn.Module, outer: Sequence[str]) -> list[str]:
+    """What the LM head step reads of the backbone (`outer`: its parameters outside the blocks): the
+    final norm, and the input embeddings only where the task's LM head is tied to them (an untied
+    head is the task's own, vocabulary x hidden floats that need no second copy beside them)."""
+    embeddings = module_prefix(backbone, backbone.get_input_embeddings())
+    tied = task_model.get_output_embeddings().weight is backbone_of(task_model).get_input_embeddings().weight
+    return [n for n in outer if tied or not n.startswith(embeddings)]
 
 
 def lm_nll(task_model: nn.Module, family: Family, backbone: nn.Module, streams: Iterable[Stream],
@@ -130,5 +145,5 @@ def chunked_log_probs(lm_head: nn.Module, hidden: Tensor, input_ids: Tensor, att
     return torch.cat([logp for logp, _ in parts]), torch.cat([valid for _, valid in parts])
 
 
-__all__ = ["DriftInputs", "LM_HEAD_CHUNK", "StreamedScores", "chunked_log_probs", "lazy_model", "lm_nll",
+__all__ = ["DriftInputs", "LM_HEAD_CHUNK", "StreamedScores", "chunked_log_probs", "head_inputs", "lazy_model", "lm_nll",
            "score_streamed"]

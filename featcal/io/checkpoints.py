@@ -32,8 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from featcal.io.models import (atomic_dir, backbone_kwargs, backbone_of, check_finite, head_state, is_causal_lm,
-                               resolve_model_ref, save_heads)
+from featcal.io.models import (atomic_dir, backbone_kwargs, backbone_of, check_finite, is_causal_lm, resolve_model_ref,
+                               save_heads)
 from featcal.profiling import phase
 
 
@@ -398,6 +398,15 @@ def load_head(expert_dir: str | os.PathLike) -> nn.Module:
     return model.eval()
 
 
+HeadSource = nn.Module | str | os.PathLike   # a `load_head` model, or the expert folder to load it from
+
+
+def head_model(head: HeadSource) -> nn.Module:
+    """`head` itself, or `load_head` of a folder: where a head is large (a causal LM's own LM head,
+    vocabulary x hidden floats), a caller given folders holds one task's head at a time."""
+    return head if isinstance(head, nn.Module) else load_head(head)
+
+
 def with_backbone_assigned(task_model: nn.Module, backbone: nn.Module) -> nn.Module:
     """`task_model` reading `backbone`'s parameters (shared, not copied; the head is kept). A causal
     LM's head tied to the embeddings is tied to the new ones (assigning replaced the tensor it shared)."""
@@ -482,21 +491,22 @@ class ShardWriter:
 COPY_SHARD_BYTES = 10**9   # shards of a checkpoint copied group by group: at most this, or the source's largest file
 
 
-def save_multitask_from(out_dir: str | os.PathLike, reader: CheckpointReader, task_models: Mapping[str, nn.Module],
+def save_multitask_from(out_dir: str | os.PathLike, reader: CheckpointReader, heads: Mapping[str, HeadSource],
                         encoder=None) -> list[Path]:
     """`featcal.io.models.save_multitask`'s layout with the backbone copied from a checkpoint (e.g.
     the merged folder `with_tensors_from` the calibrated layers) one tensor group at a time, so no
     whole model is in memory: the source's tensors under their names, in shards no larger than its
-    own largest file nor `COPY_SHARD_BYTES`, its `config.json`, then the heads and the encoder
-    (`save_heads`). Written atomically; nothing is written when a tensor is NaN or infinite.
-    Returns the weight files written."""
-    for task, model in task_models.items():   # before gigabytes are copied
-        check_finite(head_state(model), f"refusing to write {out_dir}: the head of task {task!r}")
+    own largest file nor `COPY_SHARD_BYTES`, and its `config.json`; the heads (`save_heads`, a head
+    given as a folder loaded only while it is written) and the encoder first, so a non-finite head
+    stops it before gigabytes are copied. Written atomically; nothing is written when a tensor is
+    NaN or infinite. Returns the weight files written."""
     config = reader.folder / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{reader.folder}: no config.json to copy with its tensors")
     largest = max(file.stat().st_size for file in reader.files)
     with atomic_dir(out_dir) as tmp:
+        for k, (task, head) in enumerate(heads.items()):
+            save_heads(tmp, {task: head_model(head)}, encoder if k == 0 else None, target=out_dir)
         writer = ShardWriter(tmp, min(largest, COPY_SHARD_BYTES))
         for group in reader.groups():
             tensors = reader.read(group)
@@ -506,5 +516,4 @@ def save_multitask_from(out_dir: str | os.PathLike, reader: CheckpointReader, ta
             del tensors
         written = writer.close()
         shutil.copy2(config, tmp / "config.json")
-        save_heads(tmp, task_models, encoder)
     return [Path(out_dir) / p.name for p in written]

@@ -147,6 +147,11 @@ def is_causal_lm_config(config) -> bool:
     return any(a.endswith(CAUSAL_LM_SUFFIX) for a in getattr(config, "architectures", None) or ())
 
 
+def saved_as_causal_lm(ref: str | os.PathLike) -> bool:
+    """Whether a model folder (or reference) holds a causal LM, from its config alone (nothing is loaded)."""
+    return is_causal_lm_config(AutoConfig.from_pretrained(resolve_model_ref(ref)))
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """A causal-LM task model, or a bare decoder whose checkpoint was saved from one (its config's
     `architectures`); a task model with another head (a classifier) is not one."""
@@ -395,15 +400,17 @@ def save_multitask(
         save_heads(tmp, task_models, encoder)
 
 
-def save_heads(folder: str | os.PathLike, task_models: Mapping[str, nn.Module], encoder=None) -> None:
+def save_heads(folder: str | os.PathLike, task_models: Mapping[str, nn.Module], encoder=None,
+               target: str | os.PathLike | None = None) -> None:
     """The multi-task layout's other half: `heads/<task>/` (config + head tensors) and the input
-    encoder (tokenizer or image processor), written into a folder that holds (or will hold) the backbone."""
+    encoder (tokenizer or image processor), written into a folder that holds (or will hold) the backbone.
+    `target`: the folder errors name (where `folder` is the temporary one an atomic write fills)."""
     folder = Path(folder)
     if encoder is not None:
         encoder.save_pretrained(folder)
     for task, model in task_models.items():
         head = head_state(model)
-        check_finite(head, f"refusing to write {folder}: the head of task {task!r}")
+        check_finite(head, f"refusing to write {target or folder}: the head of task {task!r}")
         head_dir = folder / "heads" / task
         head_dir.mkdir(parents=True)
         model.config.architectures = [type(model).__name__]   # as save_pretrained records it: the class to rebuild
