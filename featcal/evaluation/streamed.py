@@ -113,6 +113,7 @@ def score_streamed(
         finally:   # the tensors just loaded are freed, not held by the head
             with_backbone_assigned(model, lazy.module)
         del model
+        trim_heap()   # the head's pages out of the RSS the next task's head adds to
     return out
 
 
