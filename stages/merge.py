@@ -56,7 +56,9 @@ def main() -> None:
                 for item in (tmp / "backbone").iterdir():
                     os.replace(item, tmp / item.name)
                 (tmp / "backbone").rmdir()
-                save_heads(tmp, {t: load_head(d) for t, d in expert_dirs.items()}, load_encoder(base_ref))
+                save_heads(tmp, {}, load_encoder(base_ref))
+                for task, expert_dir in expert_dirs.items():   # one head in memory at a time (an untied LM
+                    save_heads(tmp, {task: load_head(expert_dir)})   # head is vocabulary x hidden floats)
         else:
             bench = cmp.load_workbench(base_ref, expert_dirs, get(params, "tasks_dir"), lengths, seed)
             context = cmp.merge_context(bench, method, data, options)

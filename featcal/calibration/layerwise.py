@@ -20,7 +20,7 @@ from torch import Tensor
 from featcal.calibration.config import FeatCalConfig, resolve_device
 from featcal.calibration.calibrate import enter_streams, LayerDrift, ModuleReport, MomentReducer, SumReducer
 from featcal.families import family_for
-from featcal.families.base import block_prefixes, outer_prefixes
+from featcal.families.base import block_prefixes, leaves_stage, outer_prefixes
 from featcal.io.checkpoints import CheckpointReader, empty_backbone, LazyBackbone, module_prefix
 from featcal.calibration.lazy import LazyWeights
 from featcal.calibration.moments import Moments
@@ -71,6 +71,15 @@ class LazyStudent:
         self.lazy.load(self.lazy.names_under([self.block_prefix, *self.family.shared_block_prefixes(self.module),
                                               *outer_prefixes(self.family, self.module)]))
 
+    def release_input_embeddings(self) -> None:
+        """Drop the token (or patch) embeddings once the streams have entered, where no later block
+        of this walk enters a stage again (T5's decoder re-reads them after the encoder's last block):
+        a vocabulary × hidden table (0.9 GB on a 1.5B decoder) no block reads."""
+        if any(leaves_stage(self.family, self.module, k) for k in range(self.index, self.n_blocks)):
+            return
+        embeddings = module_prefix(self.module, self.module.get_input_embeddings())
+        self.lazy.release(self.lazy.names_under([embeddings]))
+
     def parameters(self, with_pooler: bool) -> dict[str, Tensor]:
         prefixes = [self.block_prefix]
         if with_pooler and self.family.pooler(self.module) is not None:
@@ -106,6 +115,7 @@ def calibrate_cached_layer(
     student_in = entry if student_states is None else split_like(
         family, index, student_states, entry, {t: student.module for t in entry})
     del entry   # past block 0 only its masks were needed: its embeddings would be held all along
+    student.release_input_embeddings()
     moments: dict[str, dict[str, Moments]] = {}
     result = walk(family, student.module, weights, student_in, CachedExpertStates(family, expert_states), config,
                   start=index, stop=index + 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
