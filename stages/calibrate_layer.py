@@ -30,7 +30,7 @@ from featcal.io.feature_store import StoreFormat, read_group, write_group, write
 
 
 def calibrate_from_caches(params: dict, k: int, config: FeatCalConfig, merged: str, experts: str, features: str,
-                          student_in: str):
+                          student_in: str, keep_moments: bool = True):
     """Block k calibrated from the pipeline's caches: the calibration inputs and the experts' states
     under `features`, the student states entering it (`student_in`; unused for block 0) and the weights
     of `merged`, the base and `experts`/<task>; data-parallel under torchrun (this process's shard)."""
@@ -47,6 +47,7 @@ def calibrate_from_caches(params: dict, k: int, config: FeatCalConfig, merged: s
         k, merged, get(params, "model.base"), {t: f"{experts}/{t}" for t in tasks}, batches, student,
         lambda layer: states(f"{features}/layer_{layer:02d}.zarr"), config,
         reduce_moments=distributed.AllReduceMoments(tasks), reduce_sums=distributed.all_reduce_sums,
+        keep_moments=keep_moments,
     )
 
 
@@ -79,7 +80,8 @@ def main() -> None:
             tuned = get(load_params(args.featcal_params), "featcal")
             featcal.update({key: tuned[key] for key in (*HYPER_KEYS, "layer_overrides") if key in tuned})
         config = FeatCalConfig.from_mapping(featcal)
-        out = calibrate_from_caches(params, k, config, args.merged, args.experts, args.features, args.student_in)
+        out = calibrate_from_caches(params, k, config, args.merged, args.experts, args.features, args.student_in,
+                                    keep_moments=keep_moments)
         student_next = distributed.gather_examples(out.student_next, batch_size)
         out.student_next = {}
         if distributed.is_main():

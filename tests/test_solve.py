@@ -188,3 +188,12 @@ def test_condition_estimate_tracks_the_true_condition_number():
     a = q @ torch.diag(eigenvalues) @ q.T
     estimate = solve.condition_estimate(a, torch.linalg.cholesky(a), iterations=200)
     assert 0.5 * 1e8 < estimate <= 1e8 * (1 + 1e-6)
+
+
+def test_symmetrize_in_place_gives_the_numbers_of_the_two_buffer_form():
+    """spd_solve symmetrizes its system block by block in place: bit for bit ½(A + Aᵀ), also where
+    the blocks do not divide the width."""
+    a = torch.randn(37, 37, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    expected = 0.5 * (a + a.T)
+    out = solve.symmetrize_(a, block=8)
+    assert out is a and torch.equal(a, expected)

@@ -79,7 +79,8 @@ ENTRY_POINT_CASES = ["saved", "saved_t5", "saved_mpnet", "saved_qwen2", "saved_m
 
 
 def chain(saved, config, fmt=StoreFormat("float32")):
-    """What the calibrate-layer chain does: each block a separate step, states through zarr stores."""
+    """What the calibrate-layer chain does: each block a separate step, states through zarr stores,
+    its moments not kept (cache.moments: false), so the solves use up their sums."""
     root, batches = saved["root"], saved["batches"]
     dirs = {t: root / t for t in saved["experts"]}
     for k, states in enumerate(collect_expert_layers(dirs, batches)):
@@ -87,7 +88,9 @@ def chain(saved, config, fmt=StoreFormat("float32")):
     state, student = {}, None
     for k in range(len(family_for(saved["merged"]).blocks(saved["merged"]))):
         out = calibrate_cached_layer(k, root / "merged", root / "base", dirs, batches, student,
-                                     lambda layer: read_group(root / f"features/layer_{layer:02d}.zarr"), config)
+                                     lambda layer: read_group(root / f"features/layer_{layer:02d}.zarr"), config,
+                                     keep_moments=False)
+        assert out.moments == {}
         state.update(out.parameters)
         write_group(root / f"student/layer_{k + 1:02d}.zarr", out.student_next, fmt=fmt)
         student = read_group(root / f"student/layer_{k + 1:02d}.zarr")

@@ -213,11 +213,14 @@ def solve_modules(
     hyper: LayerHyper,
     config: FeatCalConfig,
     prefix: str = "",
+    consume: bool = False,
 ) -> tuple[dict[str, Tensor], list[ModuleReport]]:
     """Closed-form updates for a set of modules, from their per-task moments.
 
     `student` holds the *pre-calibration* merged modules (they define the anchor);
     `moments[module][task]`. Returns {"<module>.<param>": float64 tensor} and a report per module.
+    `consume`: the linear modules' d × d sums are used up by the solve (`gram_and_target`), for a
+    caller that keeps no moments: a block's peak is then its sums and one system, not twice that.
     """
     updates: dict[str, Tensor] = {}
     reports: list[ModuleReport] = []
@@ -233,7 +236,7 @@ def solve_modules(
             w_anc = solve.anchor(module.weight, base[name].weight, hyper.rho)
             # one task's G_i at a time: a wide module's Grams are the block's largest transients
             lhs, rhs, omegas = solve.normal_equations(
-                (gram_and_target(m, e.weight, hyper.alpha) for m, e in zip(stats, mods)), w_anc, hyper.ridge,
+                (gram_and_target(m, e.weight, hyper.alpha, consume) for m, e in zip(stats, mods)), w_anc, hyper.ridge,
             )
             weight, rep = solve.solve_normal_equations(lhs, rhs, name=prefix + name)
             del lhs, rhs
@@ -265,10 +268,17 @@ def solve_modules(
     return updates, reports
 
 
-def gram_and_target(moments: LinearMoments, expert_weight: Tensor, alpha: float) -> tuple[Tensor, Tensor]:
-    """(G_i, W_i C_i) of one task, G_i formed once."""
-    gram = moments.gram
-    return gram, moments.target_product(expert_weight, alpha, gram)
+def gram_and_target(moments: LinearMoments, expert_weight: Tensor, alpha: float,
+                    consume: bool = False) -> tuple[Tensor, Tensor]:
+    """(G_i, W_i C_i) of one task, G_i formed once. `consume`: G_i is formed in the Gram sum's own
+    buffer and the moments let go of their d × d sums, so the solve holds no second copy of them."""
+    if not consume:
+        gram = moments.gram
+        return gram, moments.target_product(expert_weight, alpha, gram)
+    gram = moments.student_gram.div_(moments.count)
+    target = moments.target_product(expert_weight, alpha, gram)
+    moments.student_gram = moments.cross = moments.projected_cross = None
+    return gram, target
 
 
 @torch.no_grad()
@@ -342,6 +352,7 @@ def calibrate_block(
     release_memory: bool = False,
     measure_drift: bool = True,
     expert_inputs: ExpertInputCache | None = None,
+    keep_moments: bool = True,
 ) -> BlockResult:
     """Calibrate block `index` of the student backbone in place, and advance both streams.
 
@@ -355,7 +366,8 @@ def calibrate_block(
     `expert_inputs` (a tuning study's, `ExpertInputCache`): the experts' module inputs on this block do
     not depend on the trial, so they are captured once and read back in later walks; where it holds
     this block, `expert_streams` may be empty and no expert forward runs (nor advances: the walk's
-    experts must come from a cache, and the drift is not measured).
+    experts must come from a cache, and the drift is not measured). `keep_moments=False`: the solve
+    uses up the linear modules' d × d sums (`solve_modules`' `consume`) and the result holds no moments.
     """
     cached = None if expert_inputs is None else expert_inputs.get(index, config.products)
     if expert_inputs is not None and measure_drift:
@@ -410,7 +422,7 @@ def calibrate_block(
     with phase("solve"):
         updates, reports = solve_modules(
             modules, family.calibrated_modules(base_block), expert_modules, moments,
-            config.for_layer(index), config, prefix=f"block {index}: ",
+            config.for_layer(index), config, prefix=f"block {index}: ", consume=not keep_moments,
         )
         apply_updates(block, updates)
     if release_memory:
@@ -423,7 +435,7 @@ def calibrate_block(
     if measure_drift:
         with phase("drift"):
             drift = block_drift(family, index, student_backbone, expert_backbones, student_next, expert_next, reduce_sums)
-    return BlockResult(updates, reports, moments, student_next, expert_next, drift)
+    return BlockResult(updates, reports, moments if keep_moments else {}, student_next, expert_next, drift)
 
 
 def calibrate_pooler(

@@ -98,13 +98,15 @@ def calibrate_cached_layer(
     config: FeatCalConfig,
     reduce_moments: MomentReducer | None = None,
     reduce_sums: SumReducer | None = None,
+    keep_moments: bool = True,
 ) -> LayerOutput:
     """Walk block `index` alone: the student states entering it (None for block 0: the merged
     embeddings), the experts' cached states (`expert_states(layer)`), weights read lazily from
     `merged_dir`, `base` and `expert_dirs`. On the last block, with `config.calibrate_pooler`, the
     pooler follows (its expert input is the cache of layer L). The per-layer chain computes on the
     CPU: `featcal.device: cuda` where torch sees no CUDA device is an error here, as in process (it
-    ran on the CPU and exited 0); on a CUDA machine the chain does not move its blocks yet."""
+    ran on the CPU and exited 0); on a CUDA machine the chain does not move its blocks yet.
+    `keep_moments=False`: the output holds no moments, and the solves use up their sums (a lower peak)."""
     if resolve_device(config.device).type != "cpu":
         log.warning("featcal.device %r: the per-layer calibrate stages run on the CPU (in-process and tuning "
                     "calibration use the device)", config.device)
@@ -120,7 +122,8 @@ def calibrate_cached_layer(
     result = walk(family, student.module, weights, student_in, CachedExpertStates(family, expert_states), config,
                   start=index, stop=index + 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
                   on_block=lambda _k, block: moments.update(block.moments), progress=False,
-                  release_memory=True)   # a stage's peak RSS is one block's: keep freed pages out of it
+                  release_memory=True,   # a stage's peak RSS is one block's: keep freed pages out of it
+                  keep_moments=keep_moments)
     last = index == student.n_blocks - 1
     return LayerOutput(student.parameters(with_pooler=last and config.calibrate_pooler), moments,
                        stack_states(family, result.student), result.drift[0], result.reports)

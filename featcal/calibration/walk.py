@@ -226,6 +226,7 @@ def walk(
     release_memory: bool = False,
     measure_drift: bool = True,
     expert_inputs: ExpertInputCache | None = None,
+    keep_moments: bool = True,
 ) -> WalkResult:
     """Calibrate blocks `start`..`stop`−1 of the `student` backbone in place, in forward order.
 
@@ -234,7 +235,8 @@ def walk(
     `on_block(k, result)` sees each block's result (moments, updates) before it is dropped.
     `release_memory`: see `calibrate_block` (the calibrate-layer stage sets it). `expert_inputs`: the
     experts' module inputs kept across walks (a tuning study's; with cached expert states only): a block
-    it holds reads no expert state and runs no expert forward.
+    it holds reads no expert state and runs no expert forward. `keep_moments=False`: `on_block` sees no
+    moments (the solves use up their sums: see `calibrate_block`).
     """
     if expert_inputs is not None and not isinstance(experts, CachedExpertStates):
         raise ValueError("an expert input cache needs the experts' states from a cache (CachedExpertStates)")
@@ -253,6 +255,7 @@ def walk(
                 family, index, student, base_bb, expert_bbs, out.student, expert_in, config,
                 last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
                 release_memory=release_memory, measure_drift=measure_drift, expert_inputs=expert_inputs,
+                keep_moments=keep_moments,
             )
         if on_block is not None:
             on_block(index, result)
