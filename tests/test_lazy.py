@@ -117,6 +117,25 @@ def test_lazy_merge_equals_merge_models_and_loads_with_auto_model(setup, tmp_pat
     assert_same_state(loaded, expected)
 
 
+@pytest.mark.parametrize("method, options", [("average", {}), ("task_arithmetic", {"scale": 0.4})])
+def test_an_elementwise_merge_reads_a_large_tensor_by_rows_and_writes_the_same_tensors(setup, tmp_path, method,
+                                                                                          options, monkeypatch):
+    """Averaging and Task Arithmetic read a tensor group of one tensor above chunk_bytes (here 4 kB: the
+    word embeddings) a slice of rows at a time, bit for bit the whole-tensor merge."""
+    import featcal.merging.lazy as lazy
+
+    whole = lazy_merge(setup["root"] / "base", setup["dirs"], method, options, tmp_path / "whole", progress=False)
+    sliced = []
+    real_read = lazy.CheckpointReader.read
+    monkeypatch.setattr(lazy.CheckpointReader, "read", lambda self, names, rows=None: (
+        sliced.append(rows) if rows is not None else None) or real_read(self, names, rows))
+    chunked = lazy_merge(setup["root"] / "base", setup["dirs"], method, options, tmp_path / "rows", progress=False,
+                         chunk_bytes=4096)
+    assert len({(r.start, r.stop) for r in sliced}) >= 2   # the base and each expert, slice by slice
+    a, b = AutoModel.from_pretrained(whole).state_dict(), AutoModel.from_pretrained(chunked).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_lazy_merge_writes_one_file_when_it_fits_and_refuses_model_scope_ties(setup, tmp_path):
     out = lazy_merge(setup["root"] / "base", setup["dirs"], "average", None, tmp_path / "one", progress=False)
     assert (out / "model.safetensors").exists() and not (out / "model.safetensors.index.json").exists()

@@ -175,8 +175,9 @@ class CheckpointReader:
         except KeyError:
             raise KeyError(f"{self.path}: no tensor {name!r} in the checkpoint") from None
 
-    def read(self, names: Iterable[str]) -> dict[str, Tensor]:
-        """The named tensors; each file is opened once for this call and closed after."""
+    def read(self, names: Iterable[str], rows: slice | None = None) -> dict[str, Tensor]:
+        """The named tensors; each file is opened once for this call and closed after. `rows`: only
+        those rows (first dimension) of each, read without the rest of the tensor."""
         by_file: dict[Path, list[str]] = defaultdict(list)
         names = list(names)
         for name in names:
@@ -185,7 +186,7 @@ class CheckpointReader:
         for file, file_names in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for name in file_names:
-                    out[name] = f.get_tensor(name)
+                    out[name] = f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
                     if name in self.replaced:
                         out[name] = out[name].to(self.replaced[name])
         return {name: out[name] for name in names}

@@ -307,13 +307,13 @@ def dare_rescale(tau: Tensor, drop_rate: float, generator_seed: int) -> Tensor:
 # --------------------------------------------------------------------------- registered methods
 
 
-@register("average", AverageOptions)
+@register("average", AverageOptions, elementwise=True)
 def average(base: StateDict, experts: Sequence[StateDict], opts: AverageOptions) -> StateDict:
     """θ = (1/T) Σ_t θ_t."""
     return {name: torch.stack([e[name] for e in experts]).mean(dim=0) for name in base}
 
 
-@register("task_arithmetic", TaskArithmeticOptions)
+@register("task_arithmetic", TaskArithmeticOptions, elementwise=True)
 def task_arithmetic(base: StateDict, experts: Sequence[StateDict], opts: TaskArithmeticOptions) -> StateDict:
     """θ = θ₀ + s Σ_t τ_t, τ_t = θ_t − θ₀."""
     return task_arithmetic_from_task_vectors(base, task_vectors(base, experts), opts.scale)

@@ -37,6 +37,7 @@ from featcal.profiling import phase
 
 
 Write = Callable[[str, Tensor], None]
+ROW_CHUNK_BYTES = 64 * 2**20   # an elementwise merge reads a larger tensor this many bytes of rows at a time
 
 
 def streams(method: str, options: Mapping | None) -> bool:
@@ -88,19 +89,21 @@ class MergeFolders:
     def dtype(self, name: str) -> torch.dtype:
         return self.dtypes[name]
 
-    def read_base(self, names: Sequence[str]) -> dict[str, Tensor]:
-        return dict(zip(names, self.base.read(self.prefix + n for n in names).values()))
+    def read_base(self, names: Sequence[str], rows: slice | None = None) -> dict[str, Tensor]:
+        return dict(zip(names, self.base.read((self.prefix + n for n in names), rows).values()))
 
-    def read_experts(self, names: Sequence[str]) -> list[dict[str, Tensor]]:
-        return [dict(zip(names, reader.read(p + n for n in names).values()))
+    def read_experts(self, names: Sequence[str], rows: slice | None = None) -> list[dict[str, Tensor]]:
+        return [dict(zip(names, reader.read((p + n for n in names), rows).values()))
                 for reader, p in zip(self.experts, self.expert_prefixes)]
 
-    def read_checked(self, group: Sequence[str], sums: list[list[float]]) -> tuple[dict[str, Tensor], list[str], list[dict[str, Tensor]]]:
+    def read_checked(self, group: Sequence[str], sums: list[list[float]],
+                     rows: slice | None = None) -> tuple[dict[str, Tensor], list[str], list[dict[str, Tensor]]]:
         """A group's base tensors, its floating names and the experts' tensors of those, each expert's
-        checked finite, its ‖τ‖² and ‖θ_base‖² added to `sums` (the implausible-expert check)."""
-        base_sd = self.read_base(group)
+        checked finite, its ‖τ‖² and ‖θ_base‖² added to `sums` (the implausible-expert check);
+        `rows`: only those rows of each tensor."""
+        base_sd = self.read_base(group, rows)
         short = [n for n in group if n not in self.copied]
-        expert_sds = self.read_experts(short)
+        expert_sds = self.read_experts(short, rows)
         for k, (path, sd) in enumerate(zip(self.paths, expert_sds)):
             check_finite(sd, f"expert {path}")
             diff, norm = task_vector_sums({s: base_sd[s] for s in short}, sd)
@@ -263,10 +266,11 @@ def lazy_merge(
     method: str = "task_arithmetic",
     options: Mapping | None = None,
     out_dir: str | os.PathLike = "merged",
-    max_shard_size: int | str = "2GB",
+    max_shard_size: int | str = "1GB",
     prefix: str | None = None,
     progress: bool = True,
     context: MergeContext | None = None,
+    chunk_bytes: int = ROW_CHUNK_BYTES,
 ) -> Path:
     """Merge the experts' backbones block by block, reading tensors lazily; write the merged
     backbone as a Hugging Face folder (`AutoModel.from_pretrained(out_dir)` loads it).
@@ -281,7 +285,9 @@ def lazy_merge(
     What streams, and the peak memory:
     - Methods without a context that act tensor group by tensor group (`streams`): one group (a
       block, or one other tensor) of the base and of every expert at a time, plus one shard being
-      written. Names handed to the method are the backbone's, so DARE's seeded masks agree.
+      written. Names handed to the method are the backbone's, so DARE's seeded masks agree. An
+      elementwise method (averaging, Task Arithmetic) reads a tensor larger than `chunk_bytes` (an
+      embedding table) `chunk_bytes` of rows at a time: the output tensor and one slice of each input.
     - RegMean, RegMean++ and AdaMerging (`DATA_MERGES`) with `context` (`MergeContext`;
       `expert_dirs` then maps each task to its folder, and `context.batches` holds each task's
       unlabelled train batches). lazy_merge fills `context.base` (the base's backbone skeleton,
@@ -368,6 +374,9 @@ def lazy_merge(
                 raise RuntimeError(f"lazy_merge {method!r} did not write {missing[:5]} ({len(missing)} tensors)")
         else:
             for group in tqdm(folders.groups.values(), desc="merge (lazy)", unit="group", disable=not progress):
+                if spec.elementwise and _row_chunked(folders, group, chunk_bytes):
+                    writer.add(group[0], _merge_by_rows(method, opts, folders, group[0], sums, chunk_bytes))
+                    continue
                 base_sd, short, expert_sds = folders.read_checked(group, sums)
                 merged = merge_state_dicts(method, {s: base_sd[s] for s in short}, expert_sds, opts) if short else {}
                 for name in group:
@@ -383,6 +392,35 @@ def lazy_merge(
                     and not extra.name.endswith(WEIGHT_SUFFIXES)):
                 shutil.copy2(extra, tmp / extra.name)
     return out_dir
+
+
+def _row_chunked(folders: MergeFolders, group: Sequence[str], chunk_bytes: int) -> bool:
+    """A group of one floating tensor larger than `chunk_bytes` (an embedding table) with rows to split."""
+    if len(group) != 1 or group[0] in folders.copied:
+        return False
+    key = folders.prefix + group[0]
+    return folders.base.nbytes(key) > chunk_bytes and len(folders.base.shape(key)) >= 1
+
+
+def _merge_by_rows(method: str, opts, folders: MergeFolders, name: str, sums: list[list[float]],
+                   chunk_bytes: int) -> Tensor:
+    """An elementwise method's merge of one large tensor, read and merged `chunk_bytes` of rows at a
+    time into the output: the same entries as the whole tensor's merge, with one output tensor and
+    one slice of each input in memory (not the base, every expert and every task vector whole: a
+    151,936 x 1536 embedding table is 0.9 GB a copy)."""
+    key = folders.prefix + name
+    shape = folders.base.shape(key)
+    step = max(1, chunk_bytes // max(1, folders.base.nbytes(key) // shape[0]))
+    out = None
+    for start in range(0, shape[0], step):
+        rows = slice(start, min(start + step, shape[0]))
+        base_sd, _, expert_sds = folders.read_checked([name], sums, rows)
+        part = merge_state_dicts(method, base_sd, expert_sds, opts)[name]
+        if out is None:
+            out = torch.empty(shape, dtype=part.dtype)
+        out[rows] = part
+        del base_sd, expert_sds, part
+    return out
 
 
 def _write_config(src: Path, dst: Path, stripped: bool) -> None:

@@ -121,6 +121,7 @@ class MergeMethod:
     whole_model: Callable[[Any], bool] | None = None
     report: Callable[[Mapping[str, Any], Any], None] | None = None
     more_needs: Callable[[Mapping[str, Any]], frozenset[str]] | None = None
+    elementwise: bool = False   # each merged entry reads only the same entry of the inputs (row-chunkable)
 
     def streams(self, opts: Any) -> bool:
         """Whether it acts tensor group by tensor group (no context, not whole-model)."""
@@ -138,6 +139,7 @@ def register(
     whole_model: Callable[[Any], bool] | None = None,
     report: Callable[[Mapping[str, Any], Any], None] | None = None,
     more_needs: Callable[[Mapping[str, Any]], frozenset[str]] | None = None,
+    elementwise: bool = False,
 ) -> Callable[[MergeFn], MergeFn]:
     """Decorator: register ``fn(base, experts, opts[, context]) -> merged`` under ``name``.
 
@@ -146,6 +148,8 @@ def register(
     says when it cannot run tensor group by tensor group; ``report(record, folder)`` writes figures;
     ``more_needs(options)`` adds needs that depend on the options as written (SigMerge: its inner
     anchor's), on top of ``needs`` (which must then be non-empty, so ``fn`` always takes a context).
+    ``elementwise``: each merged entry depends on that entry of the inputs alone (averaging, Task
+    Arithmetic), so a streamed merge may read and merge a large tensor a slice of rows at a time.
     """
     if not (dataclasses.is_dataclass(options_cls) and isinstance(options_cls, type)):
         raise TypeError(f"merge method {name!r}: options_cls must be a dataclass, got {options_cls!r}")
@@ -160,7 +164,8 @@ def register(
     def decorator(fn: MergeFn) -> MergeFn:
         if name in MERGE_METHODS:
             raise ValueError(f"merge method {name!r} is already registered")
-        MERGE_METHODS[name] = MergeMethod(name, fn, options_cls, frozenset(needs), whole_model, report, more_needs)
+        MERGE_METHODS[name] = MergeMethod(name, fn, options_cls, frozenset(needs), whole_model, report, more_needs,
+                                         elementwise)
         return fn
 
     return decorator
