@@ -173,8 +173,14 @@ def accumulate_block_moments(
             if projected is None and key in shared:  # q/k/v read the same input: reuse the batch sums
                 m.merge(shared[key])
                 continue
+            into = None
+            if projected is not None and w is None:   # a wide module's Gram grows in place (no batch copy)
+                if m.student_gram is None:
+                    m.student_gram = torch.zeros(xs.shape[1], xs.shape[1], dtype=torch.float64, device=xs.device)
+                into = m.student_gram
             batch = LinearMoments.of_rows(xs, real_rows(expert_inputs[name], rows), w,
-                                          None if projected is None else real_rows(projected, rows), product_dtype)
+                                          None if projected is None else real_rows(projected, rows), product_dtype,
+                                          gram_into=into)
             if projected is None:
                 shared[key] = batch
             m.merge(batch)
@@ -214,6 +220,7 @@ def solve_modules(
     config: FeatCalConfig,
     prefix: str = "",
     consume: bool = False,
+    systems: MutableMapping[str, solve.NormalEquations] | None = None,
 ) -> tuple[dict[str, Tensor], list[ModuleReport]]:
     """Closed-form updates for a set of modules, from their per-task moments.
 
@@ -221,6 +228,8 @@ def solve_modules(
     `moments[module][task]`. Returns {"<module>.<param>": float64 tensor} and a report per module.
     `consume`: the linear modules' d × d sums are used up by the solve (`gram_and_target`), for a
     caller that keeps no moments: a block's peak is then its sums and one system, not twice that.
+    `systems`: linear modules' normal equations with every task folded in already (`fold_task`); the
+    moments of those modules then need only their means (for the bias).
     """
     updates: dict[str, Tensor] = {}
     reports: list[ModuleReport] = []
@@ -233,13 +242,13 @@ def solve_modules(
         mods = [experts[t][name] for t in tasks]
         stats = [per_task[t] for t in tasks]
         if kind == "linear":
-            w_anc = solve.anchor(module.weight, base[name].weight, hyper.rho)
-            # one task's G_i at a time: a wide module's Grams are the block's largest transients
-            lhs, rhs, omegas = solve.normal_equations(
-                (gram_and_target(m, e.weight, hyper.alpha, consume) for m, e in zip(stats, mods)), w_anc, hyper.ridge,
-            )
-            weight, rep = solve.solve_normal_equations(lhs, rhs, name=prefix + name)
-            del lhs, rhs
+            system = systems.pop(name, None) if systems is not None else None
+            if system is None:
+                system = start_system(module, base[name], hyper)
+                for m, e in zip(stats, mods):   # one task's G_i at a time: a wide module's largest transients
+                    system.add(*gram_and_target(m, e.weight, hyper.alpha, consume))
+            weight, rep, omegas = system.solve(prefix + name)
+            del system
             updates[f"{name}.weight"] = weight
             reports.append(ModuleReport(prefix + name, kind, rep.condition, rep.method))
             if module.bias is not None and config.calibrate_bias:
@@ -266,6 +275,30 @@ def solve_modules(
             )
             reports.append(ModuleReport(prefix + name, kind))
     return updates, reports
+
+
+def start_system(module: nn.Module, base_module: nn.Module, hyper: LayerHyper) -> solve.NormalEquations:
+    """A linear module's normal equations before any task: λ I and λ W_anc."""
+    return solve.NormalEquations.start(solve.anchor(module.weight, base_module.weight, hyper.rho), hyper.ridge)
+
+
+def fold_task(
+    modules: Mapping[str, nn.Module],
+    base: Mapping[str, nn.Module],
+    expert: Mapping[str, nn.Module],
+    per_task: Mapping[str, Moments],
+    hyper: LayerHyper,
+    systems: MutableMapping[str, solve.NormalEquations],
+) -> None:
+    """Add one task's linear-module sums into their systems and let go of its d × d sums: a block
+    then holds one task's Grams and the systems, not every task's Grams (ω_i needs the whole G_i, so a
+    task is folded once all its rows are in). The same numbers as `solve_modules` with `consume`."""
+    for name, module in modules.items():
+        if module_kind(module) != "linear" or name not in per_task:
+            continue
+        if name not in systems:
+            systems[name] = start_system(module, base[name], hyper)
+        systems[name].add(*gram_and_target(per_task[name], expert[name].weight, hyper.alpha, consume=True))
 
 
 def gram_and_target(moments: LinearMoments, expert_weight: Tensor, alpha: float,
@@ -367,7 +400,8 @@ def calibrate_block(
     not depend on the trial, so they are captured once and read back in later walks; where it holds
     this block, `expert_streams` may be empty and no expert forward runs (nor advances: the walk's
     experts must come from a cache, and the drift is not measured). `keep_moments=False`: the solve
-    uses up the linear modules' d × d sums (`solve_modules`' `consume`) and the result holds no moments.
+    uses up the linear modules' d × d sums (`solve_modules`' `consume`) and the result holds no moments;
+    in one process (no `reduce_moments`) each task is folded into the systems once its rows are in.
     """
     cached = None if expert_inputs is None else expert_inputs.get(index, config.products)
     if expert_inputs is not None and measure_drift:
@@ -377,6 +411,10 @@ def calibrate_block(
     modules = family.calibrated_modules(block)
     expert_blocks = {t: family.blocks(b)[index] for t, b in expert_backbones.items()}
     moments: dict[str, dict[str, Moments]] = {name: {} for name in modules}
+    base_modules = family.calibrated_modules(base_block)
+    expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
+    fold = not keep_moments and reduce_moments is None
+    systems: dict[str, solve.NormalEquations] = {}
     projected = [name for name, module in modules.items() if projects_cross(module)]
     expert_next: dict[str, list[Stream]] = {}
     captured: dict[str, list[dict[str, Tensor]]] = {}
@@ -411,18 +449,20 @@ def calibrate_block(
         for name in modules:
             if name in per_task:
                 moments[name][task] = per_task[name]
+        if fold:
+            with phase("solve"):
+                fold_task(modules, base_modules, expert_modules[task], per_task, config.for_layer(index), systems)
     if expert_inputs is not None and cached is None:
         expert_inputs.put(index, config.products, captured)
     if reduce_moments is not None:
         with phase("reduce across processes"):
             moments = reduce_moments(moments, modules)
-    expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
     if release_memory:
         trim_heap()
     with phase("solve"):
         updates, reports = solve_modules(
-            modules, family.calibrated_modules(base_block), expert_modules, moments,
-            config.for_layer(index), config, prefix=f"block {index}: ", consume=not keep_moments,
+            modules, base_modules, expert_modules, moments,
+            config.for_layer(index), config, prefix=f"block {index}: ", consume=not keep_moments, systems=systems,
         )
         apply_updates(block, updates)
     if release_memory:

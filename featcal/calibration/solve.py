@@ -134,22 +134,45 @@ def solve_linear_targets(
     return solve_normal_equations(lhs, rhs, name)
 
 
+@dataclass
+class NormalEquations:
+    """Σ_i ω_i G_i + λ I and Σ_i ω_i W_i C_i + λ W_anc, grown one task at a time: a task's d × d Gram
+    can be let go of as soon as it is added, before the next task's rows are read."""
+
+    lhs: Tensor
+    rhs: Tensor
+    omegas: list[Tensor]
+
+    @classmethod
+    def start(cls, anchor: Tensor, ridge: float) -> "NormalEquations":
+        d = anchor.shape[1]
+        lhs = torch.zeros(d, d, dtype=torch.float64, device=anchor.device)
+        lhs.diagonal().fill_(ridge)   # λ I without an identity and a scaled copy of it (two more d × d buffers)
+        return cls(lhs, ridge * anchor.to(torch.float64), [])
+
+    def add(self, gram: Tensor, target: Tensor, omega: Tensor | None = None) -> None:
+        """One task's (G_i, W_i C_i), weighted by `omega` (`task_weights`' unless given)."""
+        w = omega if omega is not None else task_weights([gram])[0]
+        self.lhs.add_(gram, alpha=float(w))   # no ω_i G_i buffer beside the sum
+        self.rhs.add_(target, alpha=float(w))
+        self.omegas.append(w)
+
+    def solve(self, name: str = "") -> tuple[Tensor, SolveReport, Tensor]:
+        """W* (W* lhs = rhs), its report and the ω_i; the system is used up."""
+        weight, report = solve_normal_equations(self.lhs, self.rhs, name)
+        self.lhs = self.rhs = None
+        return weight, report, torch.stack(self.omegas)
+
+
 def normal_equations(
     tasks: Iterable[tuple[Tensor, Tensor]], anchor: Tensor, ridge: float, omegas: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Σ_i ω_i G_i + λ I and Σ_i ω_i W_i C_i + λ W_anc from (G_i, W_i C_i) pairs, and the ω_i
-    (`task_weights`' unless given). Pairs are consumed one at a time, so a lazy iterable holds one
-    task's d × d Gram at a time, not every task's."""
-    d = anchor.shape[1]
-    lhs = ridge * torch.eye(d, dtype=torch.float64, device=anchor.device)
-    rhs = ridge * anchor.to(torch.float64)
-    used = []
+    """`NormalEquations`' (lhs, rhs, ω) from (G_i, W_i C_i) pairs. Pairs are consumed one at a time,
+    so a lazy iterable holds one task's d × d Gram at a time, not every task's."""
+    system = NormalEquations.start(anchor, ridge)
     for i, (g, t) in enumerate(tasks):
-        w = omegas[i] if omegas is not None else task_weights([g])[0]
-        lhs.add_(g, alpha=float(w))   # no ω_i G_i buffer beside the sum
-        rhs.add_(t, alpha=float(w))
-        used.append(w)
-    return lhs, rhs, torch.stack(used)
+        system.add(g, t, None if omegas is None else omegas[i])
+    return system.lhs, system.rhs, torch.stack(system.omegas)
 
 
 def solve_normal_equations(lhs: Tensor, rhs: Tensor, name: str = "") -> tuple[Tensor, SolveReport]:
