@@ -82,13 +82,19 @@ exp-mpnet: setup-mpnet
 # (docs/llm.md). make bench-llm runs its `dvc repro` and writes llm/results/bench_llm.json.
 LLM_DVC := cd llm && $(CURDIR)/$(PY) ../stages/with_warm_stages.py $(CURDIR)/.venv/bin/dvc
 
+# Its checkpoints (three experts, the merged and the calibrated model: ~36 GB in float32) are linked from
+# DVC's cache, not copied beside it: `cache.type hardlink,copy` in .dvc/config.local (this clone only).
+LLM_CACHE_LINKS := $(CURDIR)/.venv/bin/dvc config --local cache.type hardlink,copy
+
 .PHONY: repro-llm bench-llm
 repro-llm: setup-llm
+	$(LLM_CACHE_LINKS)
 	cd llm && $(CURDIR)/$(PY) ../stages/gen_chain.py
 	cd llm && $(CURDIR)/$(PY) ../stages/exp.py --check
 	$(LLM_DVC) repro
 
 bench-llm: setup-llm
+	$(LLM_CACHE_LINKS)
 	cd llm && $(CURDIR)/$(PY) ../stages/gen_chain.py
 	cd llm && $(CURDIR)/$(PY) ../stages/exp.py --check
 	$(PY) bench/llm.py
