@@ -141,6 +141,7 @@ def main() -> None:
     figures: dict = {"command": "make bench-llm", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "threads": torch.get_num_threads()}
     if not args.no_repro:
+        (project / "results").mkdir(exist_ok=True)   # a fresh clone has no results/ here yet
         order, wall = run_dvc_logged(["repro"], project / "results/bench_llm.log", cwd=project, warm=True)
         figures["repro"] = {"wall_s": round(wall, 1), "stages_run": order}
     stages = stage_records(project)
