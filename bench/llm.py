@@ -85,12 +85,18 @@ def float32_difference(project: Path, layer: int) -> dict:
 
     from featcal.calibration.config import FeatCalConfig
 
+    import yaml
+
     os.chdir(project)
     params = load_params()
+    chain = yaml.safe_load(Path("stages/chain.yaml").read_text())   # the stage's own arguments
+    if chain["featcal_params"] != "params.yaml":
+        raise SystemExit(f"{project}/stages/chain.yaml: featcal_params is {chain['featcal_params']}; this check "
+                         "recalibrates with params.yaml's featcal only")
     config = dataclasses.replace(FeatCalConfig.from_mapping(get(params, "featcal")), product_dtype="float32")
     name = f"L{layer:02d}"
-    out = calibrate_from_caches(params, layer, config, "models/merged", "experts", "features",
-                                f"calib/student/layer_{layer:02d}.zarr")
+    out = calibrate_from_caches(params, layer, config, "models/merged", "experts", "features/experts",
+                                chain["layers"][name]["student_in"])
     reference = load_file(f"calib/layers/{name}.safetensors")
     diff, tensor = max_relative_difference(out.parameters, reference)
     return {"layer": name, "max_rel_diff_float32_vs_float64": diff, "tensor": tensor}
