@@ -46,7 +46,10 @@ def calibrate_from_caches(params: dict, k: int, config: FeatCalConfig, merged: s
     return calibrate_cached_layer(
         k, merged, get(params, "model.base"), {t: f"{experts}/{t}" for t in tasks}, batches, student,
         lambda layer: states(f"{features}/layer_{layer:02d}.zarr"), config,
-        reduce_moments=distributed.AllReduceMoments(tasks), reduce_sums=distributed.all_reduce_sums,
+        # one process: no reducer, so that a stage keeping no moments folds each task into the systems as
+        # soon as its rows are in (calibrate_block's fold): one task's d x d sums held, not every task's
+        reduce_moments=distributed.AllReduceMoments(tasks) if distributed.is_distributed() else None,
+        reduce_sums=distributed.all_reduce_sums,
         keep_moments=keep_moments,
     )
 

@@ -193,9 +193,10 @@ def batches_for(tasks, seed: int = 0, n_batches: int = 2, bs: int = 6, length: i
 
 
 def save_models(root: Path, models: dict) -> None:
-    """Each model saved (`save_pretrained`) in the folder `root/<name>`."""
+    """Each model saved (`featcal.io.models.save_model`: a causal LM's bare decoder stays one) in `root/<name>`."""
+    from featcal.io.models import save_model
     for name, model in models.items():
-        model.save_pretrained(root / name)
+        save_model(model, root / name)
 
 
 def assert_same_state(a, b) -> None:

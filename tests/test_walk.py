@@ -2,6 +2,7 @@
 equal an independent weighted least squares on hooked activations."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ from featcal.calibration import calibrate as calibrate_step
 from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.walk import calibrate
 from featcal.families import family_for
+from featcal.families.llama import LLAMA_CAUSAL_LM
 from featcal.calibration.layerwise import calibrate_cached_layer, collect_expert_layers
 from featcal.calibration.lazy import calibrate_lazy
+from featcal.merging.lazy import lazy_merge
 from featcal.io.feature_store import StoreFormat, read_group, write_group
 from featcal.tuning import TuneProblem
 from featcal.calibration.walk import ModuleWeights, walk_all
@@ -78,22 +81,24 @@ def saved_mistral(tmp_path_factory):
 ENTRY_POINT_CASES = ["saved", "saved_t5", "saved_mpnet", "saved_qwen2", "saved_mistral"]
 
 
-def chain(saved, config, fmt=StoreFormat("float32")):
-    """What the calibrate-layer chain does: each block a separate step, states through zarr stores,
-    its moments not kept (cache.moments: false), so the solves use up their sums."""
+def chain(saved, config, fmt=StoreFormat("float32"), merged_dir=None, work=None):
+    """What the calibrate-layer chain does: each block a separate step, states through zarr stores
+    (under `work`, default the fixture's folder), its moments not kept (cache.moments: false), so the
+    solves use up their sums. `merged_dir`: the merged folder the blocks are read from."""
     root, batches = saved["root"], saved["batches"]
+    work = root if work is None else work
     dirs = {t: root / t for t in saved["experts"]}
     for k, states in enumerate(collect_expert_layers(dirs, batches)):
-        write_group(root / f"features/layer_{k:02d}.zarr", states, fmt=fmt)
+        write_group(work / f"features/layer_{k:02d}.zarr", states, fmt=fmt)
     state, student = {}, None
     for k in range(len(family_for(saved["merged"]).blocks(saved["merged"]))):
-        out = calibrate_cached_layer(k, root / "merged", root / "base", dirs, batches, student,
-                                     lambda layer: read_group(root / f"features/layer_{layer:02d}.zarr"), config,
+        out = calibrate_cached_layer(k, merged_dir or root / "merged", root / "base", dirs, batches, student,
+                                     lambda layer: read_group(work / f"features/layer_{layer:02d}.zarr"), config,
                                      keep_moments=False)
         assert out.moments == {}
         state.update(out.parameters)
-        write_group(root / f"student/layer_{k + 1:02d}.zarr", out.student_next, fmt=fmt)
-        student = read_group(root / f"student/layer_{k + 1:02d}.zarr")
+        write_group(work / f"student/layer_{k + 1:02d}.zarr", out.student_next, fmt=fmt)
+        student = read_group(work / f"student/layer_{k + 1:02d}.zarr")
     return state
 
 
@@ -132,6 +137,28 @@ def test_every_entry_point_gives_bit_identical_weights(request, case):
         assert not torch.equal(reference[name], merged_state[name]), name
     if case == "saved_t5":   # the decoder's stored states carry the encoder output they cross-attend to
         assert ".encoder_output/a" in expert_layers[2] and ".encoder_output/a" not in expert_layers[1]
+
+
+@pytest.mark.parametrize("case", ["saved_qwen2", "saved_mistral"])
+def test_a_lazily_merged_decoder_is_walked_as_the_causal_lm_it_was_merged_from(request, case, tmp_path):
+    """The merge stage writes the decoder alone (lazy_merge strips the LM head): the chain over that
+    folder must still match every token's features, as the walk over the task model does. Named as a
+    bare `Qwen2Model` it was a classifier's walk, whose last block weighs all but the last token by
+    pooled_token_weight."""
+    saved = request.getfixturevalue(case)
+    root = saved["root"]
+    merged_dir = lazy_merge(root / "base", {t: root / t for t in saved["experts"]}, "task_arithmetic",
+                            {"scale": 0.3}, tmp_path / "merged", progress=False)
+    assert json.loads((merged_dir / "config.json").read_text())["architectures"][0].endswith("ForCausalLM")
+    assert family_for(saved["merged"]) is LLAMA_CAUSAL_LM   # the in-process walk's too
+    config = FeatCalConfig()
+    reference = calibrate(saved["merged"], saved["base"], saved["experts"], saved["batches"], config,
+                          progress=False).backbone.state_dict()
+    per_layer = chain(saved, config, merged_dir=merged_dir, work=tmp_path)
+    last = f"layers.{len(family_for(saved['merged']).blocks(saved['merged'])) - 1}."
+    assert any(name.startswith(last) for name in per_layer)
+    for name in per_layer:
+        assert torch.equal(per_layer[name], reference[name]), name
 
 
 @pytest.mark.parametrize("case", ["saved", "saved_t5", "saved_mpnet"])

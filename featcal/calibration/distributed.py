@@ -294,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModel
 
     from featcal.calibration.config import FeatCalConfig
-    from featcal.io.models import atomic_dir, write_json
+    from featcal.io.models import atomic_dir, save_model, write_json
 
     experts = {}
     for item in args.expert:
@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"featcal.calibration.distributed rank {rank()}/{world_size()} digest {digest}", flush=True)
         if is_main():
             with atomic_dir(args.out) as tmp:
-                result.backbone.save_pretrained(tmp)
+                save_model(result.backbone, tmp)
                 write_json(tmp / "featcal_run.json", {
                     "world_size": world_size(), "lazy": args.lazy, "digest": digest,
                     "drift": [asdict(d) for d in result.drift],

@@ -396,8 +396,19 @@ def save_multitask(
     for task, model in task_models.items():
         check_finite(head_state(model), f"refusing to write {out_dir}: the head of task {task!r}")
     with atomic_dir(out_dir) as tmp:
-        backbone.save_pretrained(tmp)
+        save_model(backbone, tmp)
         save_heads(tmp, task_models, encoder)
+
+
+def save_model(model: nn.Module, folder: str | os.PathLike) -> None:
+    """`save_pretrained`, except that a causal LM's bare decoder keeps its task model's name in the
+    config: transformers records the class saved (`Qwen2Model`), and a decoder so named is walked as a
+    classifier's (`is_causal_lm`: its last block would weigh all but the last token by 0.01)."""
+    kept = list(getattr(model.config, "architectures", None) or ())
+    model.save_pretrained(folder)
+    if backbone_of(model) is model and any(a.endswith(CAUSAL_LM_SUFFIX) for a in kept):
+        model.config.architectures = kept   # the object's config too: save_pretrained overwrote it
+        model.config.save_pretrained(folder)
 
 
 def save_heads(folder: str | os.PathLike, task_models: Mapping[str, nn.Module], encoder=None,

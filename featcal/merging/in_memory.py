@@ -8,7 +8,7 @@ from typing import Mapping
 from torch import nn
 
 from featcal.families import family_for
-from featcal.io.models import check_experts_fit_base
+from featcal.io.models import check_experts_fit_base, is_causal_lm
 from featcal.merging.registry import MergeContext, fill_models, merge_state_dicts
 
 
@@ -35,4 +35,6 @@ def merge_models(
         method, merged.state_dict(), [family.backbone(m).state_dict() for m in experts.values()], options, context
     )
     merged.load_state_dict(state)
+    if is_causal_lm(base) and not is_causal_lm(merged):   # a base built in memory names no architecture:
+        merged.config.architectures = [type(base).__name__]   # the bare decoder is still a causal LM's
     return merged.eval()

@@ -25,7 +25,9 @@ from featcal.families.base import block_prefixes, outer_prefixes
 from featcal.io.checkpoints import (
     _natural, block_group, CheckpointReader, empty_backbone, INDEX_FILE, LazyBackbone, load_head, module_prefix, parse_size, ShardWriter,
 )
-from featcal.io.models import atomic_dir, check_finite, ratio_of, resolve_model_ref, task_vector_sums, warn_if_implausible
+from featcal.io.models import (
+    CAUSAL_LM_SUFFIX, atomic_dir, check_finite, ratio_of, resolve_model_ref, task_vector_sums, warn_if_implausible,
+)
 from featcal.merging.adamerging import combine, fit_lambda, tied_aliases
 from featcal.merging.registry import (
     MergeContext, build_options, check_context, compute_dtype, fill_models, get_method, merge_state_dicts,
@@ -428,7 +430,10 @@ def _write_config(src: Path, dst: Path, stripped: bool) -> None:
     if not config_path.exists():
         return
     config = json.loads(config_path.read_text())
-    if stripped:  # the output holds only the backbone: name the backbone class
+    # the output holds only the backbone: name the backbone class; a causal LM's decoder keeps its
+    # task model's name, which says every token is read by the LM head (featcal.io.models.is_causal_lm:
+    # named as a bare Qwen2Model, the walk weighted all but the last token of the last block by 0.01)
+    if stripped and not any(a.endswith(CAUSAL_LM_SUFFIX) for a in config.get("architectures") or ()):
         try:
             from transformers import AutoConfig, AutoModel
 
