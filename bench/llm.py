@@ -139,6 +139,8 @@ def main() -> None:
     parser.add_argument("--project", type=Path, default=ROOT / "llm")
     parser.add_argument("--out", default="results/bench_llm.json", help="figures file, relative to --project")
     parser.add_argument("--no-repro", action="store_true", help="read an existing run's records only")
+    parser.add_argument("--downstream", metavar="STAGE", help="dvc repro --downstream STAGE: from that stage on "
+                        "(e.g. merge: the experts as they are, however their stages' code changed since)")
     parser.add_argument("--float32-layer", type=int, default=None, help="block recalibrated with float32 products "
                         "(default: the last)")
     args = parser.parse_args()
@@ -148,8 +150,9 @@ def main() -> None:
         timespec="seconds"), "threads": torch.get_num_threads()}
     if not args.no_repro:
         (project / "results").mkdir(exist_ok=True)   # a fresh clone has no results/ here yet
-        order, wall = run_dvc_logged(["repro"], project / "results/bench_llm.log", cwd=project, warm=True)
-        figures["repro"] = {"wall_s": round(wall, 1), "stages_run": order}
+        repro = ["repro"] + (["--downstream", args.downstream] if args.downstream else [])
+        order, wall = run_dvc_logged(repro, project / "results/bench_llm.log", cwd=project, warm=True)
+        figures["repro"] = {"command": f"dvc {' '.join(repro)}", "wall_s": round(wall, 1), "stages_run": order}
     stages = stage_records(project)
     finetune_s = sum(r["wall_s"] for s, r in stages.items() if s.startswith(FINETUNE_PREFIX))
     figures["wall_s"] = {"finetune_stages": round(finetune_s, 1),

@@ -197,3 +197,13 @@ def test_symmetrize_in_place_gives_the_numbers_of_the_two_buffer_form():
     expected = 0.5 * (a + a.T)
     out = solve.symmetrize_(a, block=8)
     assert out is a and torch.equal(a, expected)
+
+
+def test_cholesky_solve_gives_torchs_numbers_without_its_copy_of_the_factor():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 30, dtype=torch.float64, generator=g)
+    chol = torch.linalg.cholesky(x.T @ x + torch.eye(30, dtype=torch.float64))
+    rhs = torch.randn(30, 7, dtype=torch.float64, generator=g)
+    got = solve.cholesky_solve(rhs, chol)
+    assert torch.allclose(got, torch.cholesky_solve(rhs, chol), rtol=1e-12, atol=0)
+    assert torch.allclose(chol @ (chol.T @ got), rhs, rtol=1e-9, atol=1e-12)

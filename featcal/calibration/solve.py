@@ -32,6 +32,13 @@ class SolveReport:
         return not (self.condition < ILL_CONDITIONED)
 
 
+def cholesky_solve(rhs: Tensor, chol: Tensor) -> Tensor:
+    """`torch.cholesky_solve(rhs, chol)` (lower factor) as its two triangular solves: the same numbers
+    without the column-major copy of the factor it makes (0.6 GB beside a 8,960-wide system)."""
+    y = torch.linalg.solve_triangular(chol, rhs, upper=False)
+    return torch.linalg.solve_triangular(chol.mT, y, upper=True)
+
+
 def condition_estimate(a: Tensor, chol: Tensor, iterations: int = 10) -> float:
     """κ(A) = λ_max / λ_min by power iteration on A and on A⁻¹ (through the Cholesky factor).
 
@@ -46,7 +53,7 @@ def condition_estimate(a: Tensor, chol: Tensor, iterations: int = 10) -> float:
         v = a @ v
         top = float(v.norm())
         v = v / top
-        w = torch.cholesky_solve(w, chol)
+        w = cholesky_solve(w, chol)
         low_inv = float(w.norm())
         w = w / low_inv
     return top * low_inv
@@ -88,7 +95,7 @@ def spd_solve(a: Tensor, rhs: Tensor, name: str = "") -> tuple[Tensor, SolveRepo
     rhs = rhs.to(torch.float64)
     chol, info = torch.linalg.cholesky_ex(a)
     if int(info) == 0:
-        out = torch.cholesky_solve(rhs, chol)
+        out = cholesky_solve(rhs, chol)
         report = SolveReport(condition_estimate(a, chol), "cholesky")
     else:
         vals, vecs = torch.linalg.eigh(a)
