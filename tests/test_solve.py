@@ -88,8 +88,8 @@ def test_bias_matches_per_channel_lstsq():
     omegas = solve.task_weights([s.gram for s in stats])
     w_star = torch.randn_like(w_anc)
     b_star = solve.solve_bias(
-        w_star, [s.student_mean for s in stats], [s.target_mean(alpha) for s in stats],
-        [t["w"] for t in tasks], [t["b"] for t in tasks], b_anc, ridge, omegas,
+        w_star, [s.student_mean for s in stats],
+        [solve.expert_output(t["w"], t["b"], s.target_mean(alpha)) for s, t in zip(stats, tasks)], b_anc, ridge, omegas,
     )
     rows, targets = [], []
     for t, om in zip(tasks, omegas):

@@ -22,6 +22,7 @@ from featcal.families import Family, Stream, module_kind
 from featcal.calibration.config import FeatCalConfig, LayerHyper
 from featcal.calibration.moments import LinearMoments, Moments, NormMoments, host_count
 from featcal.profiling import phase, trim_heap
+from featcal.io.checkpoints import module_prefix
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +222,7 @@ def solve_modules(
     prefix: str = "",
     consume: bool = False,
     systems: MutableMapping[str, solve.NormalEquations] | None = None,
+    expert_outputs: Mapping[str, Mapping[str, Tensor]] | None = None,
 ) -> tuple[dict[str, Tensor], list[ModuleReport]]:
     """Closed-form updates for a set of modules, from their per-task moments.
 
@@ -229,7 +231,8 @@ def solve_modules(
     `consume`: the linear modules' d × d sums are used up by the solve (`gram_and_target`), for a
     caller that keeps no moments: a block's peak is then its sums and one system, not twice that.
     `systems`: linear modules' normal equations with every task folded in already (`fold_task`); the
-    moments of those modules then need only their means (for the bias).
+    moments of those modules then need only their means (for the bias). `expert_outputs[module][task]`:
+    b_i + W_i μ_t,i where `fold_task` formed it (that expert's weight may be gone); else formed here.
     """
     updates: dict[str, Tensor] = {}
     reports: list[ModuleReport] = []
@@ -252,9 +255,11 @@ def solve_modules(
             updates[f"{name}.weight"] = weight
             reports.append(ModuleReport(prefix + name, kind, rep.condition, rep.method))
             if module.bias is not None and config.calibrate_bias:
+                formed = (expert_outputs or {}).get(name, {})
+                outputs = [formed[t] if t in formed else solve.expert_output(e.weight, e.bias, m.target_mean(hyper.alpha))
+                           for t, m, e in zip(tasks, stats, mods)]
                 updates[f"{name}.bias"] = solve.solve_bias(
-                    weight, [m.student_mean for m in stats], [m.target_mean(hyper.alpha) for m in stats],
-                    [e.weight for e in mods], [e.bias for e in mods],
+                    weight, [m.student_mean for m in stats], outputs,
                     solve.anchor(module.bias, base[name].bias, hyper.rho), hyper.ridge, omegas,
                 )
         elif not config.calibrate_norms:
@@ -289,16 +294,23 @@ def fold_task(
     per_task: Mapping[str, Moments],
     hyper: LayerHyper,
     systems: MutableMapping[str, solve.NormalEquations],
-) -> None:
+) -> dict[str, Tensor]:
     """Add one task's linear-module sums into their systems and let go of its d × d sums: a block
     then holds one task's Grams and the systems, not every task's Grams (ω_i needs the whole G_i, so a
-    task is folded once all its rows are in). The same numbers as `solve_modules` with `consume`."""
+    task is folded once all its rows are in). The same numbers as `solve_modules` with `consume`.
+    Returns b_i + W_i μ_t,i of each module with a bias: after this the expert's linear weights are
+    not read again in the block."""
+    outputs = {}
     for name, module in modules.items():
         if module_kind(module) != "linear" or name not in per_task:
             continue
         if name not in systems:
             systems[name] = start_system(module, base[name], hyper)
         systems[name].add(*gram_and_target(per_task[name], expert[name].weight, hyper.alpha, consume=True))
+        if module.bias is not None:
+            outputs[name] = solve.expert_output(expert[name].weight, expert[name].bias,
+                                                per_task[name].target_mean(hyper.alpha))
+    return outputs
 
 
 def gram_and_target(moments: LinearMoments, expert_weight: Tensor, alpha: float,
@@ -386,6 +398,7 @@ def calibrate_block(
     measure_drift: bool = True,
     expert_inputs: ExpertInputCache | None = None,
     keep_moments: bool = True,
+    release_expert: Callable[[str, list[str]], None] | None = None,
 ) -> BlockResult:
     """Calibrate block `index` of the student backbone in place, and advance both streams.
 
@@ -401,7 +414,9 @@ def calibrate_block(
     this block, `expert_streams` may be empty and no expert forward runs (nor advances: the walk's
     experts must come from a cache, and the drift is not measured). `keep_moments=False`: the solve
     uses up the linear modules' d × d sums (`solve_modules`' `consume`) and the result holds no moments;
-    in one process (no `reduce_moments`) each task is folded into the systems once its rows are in.
+    in one process (no `reduce_moments`) each task is folded into the systems once its rows are in,
+    and `release_expert(task, names)` is then told that expert's linear weights in this block are done
+    with (a lazy provider frees them: one expert's block held at a time, not every expert's).
     """
     cached = None if expert_inputs is None else expert_inputs.get(index, config.products)
     if expert_inputs is not None and measure_drift:
@@ -415,6 +430,7 @@ def calibrate_block(
     expert_modules = {t: family.calibrated_modules(b) for t, b in expert_blocks.items()}
     fold = not keep_moments and reduce_moments is None
     systems: dict[str, solve.NormalEquations] = {}
+    expert_outputs: dict[str, dict[str, Tensor]] = {}
     projected = [name for name, module in modules.items() if projects_cross(module)]
     expert_next: dict[str, list[Stream]] = {}
     captured: dict[str, list[dict[str, Tensor]]] = {}
@@ -451,7 +467,12 @@ def calibrate_block(
                 moments[name][task] = per_task[name]
         if fold:
             with phase("solve"):
-                fold_task(modules, base_modules, expert_modules[task], per_task, config.for_layer(index), systems)
+                formed = fold_task(modules, base_modules, expert_modules[task], per_task, config.for_layer(index), systems)
+            for name, output in formed.items():
+                expert_outputs.setdefault(name, {})[task] = output
+            if release_expert is not None:
+                release_expert(task, [module_prefix(expert_backbones[task], m) + "weight"
+                                      for m in expert_modules[task].values() if module_kind(m) == "linear"])
     if expert_inputs is not None and cached is None:
         expert_inputs.put(index, config.products, captured)
     if reduce_moments is not None:
@@ -463,6 +484,7 @@ def calibrate_block(
         updates, reports = solve_modules(
             modules, base_modules, expert_modules, moments,
             config.for_layer(index), config, prefix=f"block {index}: ", consume=not keep_moments, systems=systems,
+            expert_outputs=expert_outputs,
         )
         apply_updates(block, updates)
     if release_memory:

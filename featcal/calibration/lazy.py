@@ -65,6 +65,10 @@ class LazyWeights:
         expert = [self.blocks[index], *self.shared] + (self.outer if leaves else [])
         return self._loaded([self.blocks[index]], expert)
 
+    def release_expert(self, task: str, names: Sequence[str]) -> None:
+        """Back to the meta device before the block's context ends (which releases them again: a no-op)."""
+        self.experts[task].release(names)
+
     def pooler(self):
         where = [module_prefix(self.like, self.family.pooler(self.like))]
         return self._loaded(where, where)

@@ -188,21 +188,26 @@ def solve_normal_equations(lhs: Tensor, rhs: Tensor, name: str = "") -> tuple[Te
     return solution_t.T.contiguous(), report
 
 
+def expert_output(expert_weight: Tensor, expert_bias: Tensor, target_mean: Tensor) -> Tensor:
+    """b_i + W_i μ_t,i: the expert's mean output on the target rows, what `solve_bias` reads of an
+    expert (formed as a task is folded in, its weight need not be held to the end of the block)."""
+    return expert_bias.to(torch.float64) + expert_weight.to(torch.float64) @ target_mean
+
+
 def solve_bias(
     weight: Tensor,
     student_means: Sequence[Tensor],
-    target_means: Sequence[Tensor],
-    expert_weights: Sequence[Tensor],
-    expert_biases: Sequence[Tensor],
+    expert_outputs: Sequence[Tensor],
     anchor_bias: Tensor,
     ridge: float,
     omegas: Tensor,
 ) -> Tensor:
-    """b* = [Σ_i ω_i (b_i + W_i μ_t,i − W* μ_s,i) + λ b_anc] / (Σ_i ω_i + λ), after the weight."""
+    """b* = [Σ_i ω_i (b_i + W_i μ_t,i − W* μ_s,i) + λ b_anc] / (Σ_i ω_i + λ), after the weight;
+    `expert_outputs` holds each task's b_i + W_i μ_t,i (`expert_output`)."""
     weight = weight.to(torch.float64)
     num = ridge * anchor_bias.to(torch.float64)
-    for w, mu_s, mu_t, w_i, b_i in zip(omegas, student_means, target_means, expert_weights, expert_biases):
-        num = num + w * (b_i.to(torch.float64) + w_i.to(torch.float64) @ mu_t - weight @ mu_s)
+    for w, mu_s, out_i in zip(omegas, student_means, expert_outputs):
+        num = num + w * (out_i - weight @ mu_s)
     return num / (omegas.sum() + ridge)
 
 

@@ -64,6 +64,10 @@ class BlockWeights(Protocol):
     def on(self, device: torch.device) -> ContextManager[None]:
         """Inside the block, the weights a step gets are on `device`."""
 
+    def release_expert(self, task: str, names: Sequence[str]) -> None:
+        """Expert `task`'s named parameters are not read again in this step (a provider that reads
+        them per block may free them now)."""
+
 
 @dataclass
 class ModuleWeights:
@@ -74,6 +78,9 @@ class ModuleWeights:
 
     def block(self, index: int) -> ContextManager[tuple[nn.Module, dict[str, nn.Module]]]:
         return contextlib.nullcontext((self.base, self.experts))
+
+    def release_expert(self, task: str, names: Sequence[str]) -> None:
+        """Held whole for the walk: nothing is freed."""
 
     def pooler(self) -> ContextManager[tuple[nn.Module, dict[str, nn.Module]]]:
         return contextlib.nullcontext((self.base, self.experts))
@@ -255,7 +262,7 @@ def walk(
                 family, index, student, base_bb, expert_bbs, out.student, expert_in, config,
                 last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
                 release_memory=release_memory, measure_drift=measure_drift, expert_inputs=expert_inputs,
-                keep_moments=keep_moments,
+                keep_moments=keep_moments, release_expert=weights.release_expert,
             )
         if on_block is not None:
             on_block(index, result)
