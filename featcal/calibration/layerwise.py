@@ -10,17 +10,17 @@ computes in one process.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
 
+import torch
 from torch import Tensor
 
 from featcal.calibration.config import FeatCalConfig, resolve_device
 from featcal.calibration.calibrate import enter_streams, LayerDrift, ModuleReport, MomentReducer, SumReducer
 from featcal.families import family_for
-from featcal.families.base import block_prefixes, leaves_stage, outer_prefixes
+from featcal.families.base import block_prefixes, leaves_stage, outer_prefixes, to_device
 from featcal.io.checkpoints import CheckpointReader, empty_backbone, LazyBackbone, module_prefix
 from featcal.calibration.lazy import LazyWeights
 from featcal.calibration.moments import Moments
@@ -38,9 +38,6 @@ def collect_expert_layers(expert_dirs: Mapping[str, PathLike], batches: Batches)
     yield from expert_layer_states(family, weights, batches, len(family.blocks(like)))
 
 
-log = logging.getLogger(__name__)
-
-
 @dataclass
 class LayerOutput:
     """What one calibrated block hands on: its parameters (named as in the backbone's state dict,
@@ -56,12 +53,13 @@ class LayerOutput:
 class LazyStudent:
     """The merged backbone with only block `index`, the tensors every block needs
     (`Family.shared_block_prefixes`) and the parameters outside the blocks (embeddings, final
-    norm, pooler: what entering a stream and the pooler step need) in memory."""
+    norm, pooler: what entering a stream and the pooler step need) in memory, on `device`."""
 
-    def __init__(self, merged_dir: PathLike, index: int):
+    def __init__(self, merged_dir: PathLike, index: int, device: torch.device = torch.device("cpu")):
         like = empty_backbone(merged_dir)
         self.family = family_for(like)
         self.lazy = LazyBackbone(like, CheckpointReader(merged_dir))
+        self.lazy.move_to(device)   # before anything is read: the block is read onto the device
         self.module = self.lazy.module
         self.index = index
         self.n_blocks = len(self.family.blocks(self.module))
@@ -84,7 +82,8 @@ class LazyStudent:
         prefixes = [self.block_prefix]
         if with_pooler and self.family.pooler(self.module) is not None:
             prefixes.append(module_prefix(self.module, self.family.pooler(self.module)))
-        return {n: p.detach().contiguous() for n, p in self.module.state_dict().items() if n.startswith(tuple(prefixes))}
+        return {n: p.detach().cpu().contiguous() for n, p in self.module.state_dict().items()
+                if n.startswith(tuple(prefixes))}
 
 
 def calibrate_cached_layer(
@@ -103,27 +102,28 @@ def calibrate_cached_layer(
     """Walk block `index` alone: the student states entering it (None for block 0: the merged
     embeddings), the experts' cached states (`expert_states(layer)`), weights read lazily from
     `merged_dir`, `base` and `expert_dirs`. On the last block, with `config.calibrate_pooler`, the
-    pooler follows (its expert input is the cache of layer L). The per-layer chain computes on the
-    CPU: `featcal.device: cuda` where torch sees no CUDA device is an error here, as in process (it
-    ran on the CPU and exited 0); on a CUDA machine the chain does not move its blocks yet.
+    pooler follows (its expert input is the cache of layer L). It computes on `config.device` (`auto`:
+    CUDA where torch sees it; `cuda` without it is an error): the block's weights are read onto it
+    and the cached states moved there as they enter; what it returns (parameters, the states
+    entering the next block) is on the host, the moment sums (if kept) on the device.
     `keep_moments=False`: the output holds no moments, and the solves use up their sums (a lower peak)."""
-    if resolve_device(config.device).type != "cpu":
-        log.warning("featcal.device %r: the per-layer calibrate stages run on the CPU (in-process and tuning "
-                    "calibration use the device)", config.device)
-    student = LazyStudent(merged_dir, index)
+    device = resolve_device(config.device)
+    student = LazyStudent(merged_dir, index, device)
     family = student.family
     weights = LazyWeights(family, student.module, base, {t: expert_dirs[t] for t in batches})
-    entry = enter_streams(family, student.module, batches)
-    student_in = entry if student_states is None else split_like(
-        family, index, student_states, entry, {t: student.module for t in entry})
-    del entry   # past block 0 only its masks were needed: its embeddings would be held all along
-    student.release_input_embeddings()
     moments: dict[str, dict[str, Moments]] = {}
-    result = walk(family, student.module, weights, student_in, CachedExpertStates(family, expert_states), config,
-                  start=index, stop=index + 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
-                  on_block=lambda _k, block: moments.update(block.moments), progress=False,
-                  release_memory=True,   # a stage's peak RSS is one block's: keep freed pages out of it
-                  keep_moments=keep_moments)
+    with weights.on(device):
+        # the cached states follow the streams' device as they are split (split_like)
+        entry = enter_streams(family, student.module, to_device(batches, device))
+        student_in = entry if student_states is None else split_like(
+            family, index, student_states, entry, {t: student.module for t in entry})
+        del entry   # past block 0 only its masks were needed: its embeddings would be held all along
+        student.release_input_embeddings()
+        result = walk(family, student.module, weights, student_in, CachedExpertStates(family, expert_states), config,
+                      start=index, stop=index + 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
+                      on_block=lambda _k, block: moments.update(block.moments), progress=False,
+                      release_memory=True,   # a stage's peak RSS is one block's: keep freed pages out of it
+                      keep_moments=keep_moments)
     last = index == student.n_blocks - 1
     return LayerOutput(student.parameters(with_pooler=last and config.calibrate_pooler), moments,
                        stack_states(family, result.student), result.drift[0], result.reports)
