@@ -179,14 +179,19 @@ log = logging.getLogger(__name__)
 @contextlib.contextmanager
 def quiet_loading():
     """transformers' load report (a table of missing and unexpected tensors per load) held back:
-    the caller says in words what was expected and refuses what was not."""
-    logger = logging.getLogger("transformers.modeling_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    the caller says in words what was expected and refuses what was not. (With the report's logger
+    at ERROR, transformers checks the model's tensor-parallel plan and warns, on its own logger, of
+    every layer "not sharded" by it, though nothing is sharded here: that one is held back too.)"""
+    loggers = [logging.getLogger(name) for name in ("transformers.modeling_utils",
+                                                    "transformers.distributed.tensor_parallel")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def load_classifier(ref: str, num_labels: int | None = None) -> nn.Module:
