@@ -109,8 +109,24 @@ def nll_table(metrics: dict) -> dict[str, dict]:
         nll = {who: metrics[key][task] for who, key in (("expert", "experts"), ("merged", "merged"),
                                                         ("featcal", "featcal"))}
         rows[task] = {"nll": nll, "perplexity": {w: round(math.exp(v), 3) for w, v in nll.items()},
-                      "gap_closed": gap}
+                      "gap_closed": gap,
+                      # the gap's sign reads only where the expert is better on its own task than the merge;
+                      # and whether calibrating moved the merged model's NLL down (< 0) or up
+                      "expert_below_merged": nll["expert"] < nll["merged"],
+                      "featcal_minus_merged": round(nll["featcal"] - nll["merged"], 4)}
     return rows
+
+
+def phase_totals(phases: dict[str, dict]) -> dict[str, float]:
+    """Every block's seconds summed: forwards (capture + advance), moment products, solve, the rest."""
+    totals = {"wall_s": 0.0, "forwards": 0.0, "moments": 0.0, "solve": 0.0}
+    for row in phases.values():
+        totals["wall_s"] += row["wall_s"]
+        totals["forwards"] += row.get("capture forwards", 0.0) + row.get("advance forwards", 0.0)
+        totals["moments"] += row.get("moments", 0.0)
+        totals["solve"] += row.get("solve", 0.0)
+    totals["other"] = totals["wall_s"] - totals["forwards"] - totals["moments"] - totals["solve"]
+    return {k: round(v, 1) for k, v in totals.items()}
 
 
 def print_report(figures: dict) -> None:
@@ -124,13 +140,16 @@ def print_report(figures: dict) -> None:
     print("\ncalibrate-layer phases (s):")
     for stage, row in figures["block_phases_s"].items():
         print(f"  {stage:24s} " + "  ".join(f"{k} {v:.1f}" for k, v in row.items()))
+    print("  all blocks: " + "  ".join(f"{k} {v:.1f}" for k, v in figures["block_phase_totals_s"].items()))
     f32 = figures["float32_products"]
     print(f"\nfloat32 vs float64 products, block {f32['layer']}: max rel diff {f32['max_rel_diff_float32_vs_float64']:.3g} "
           f"({f32['tensor']})")
     print("\nNLL (nats/token) expert / merged / FeatCal, gap closed:")
     for task, row in figures["nll"].items():
         n = row["nll"]
-        print(f"  {task:10s} {n['expert']:.4f} / {n['merged']:.4f} / {n['featcal']:.4f}   gap closed {row['gap_closed']}")
+        print(f"  {task:10s} {n['expert']:.4f} / {n['merged']:.4f} / {n['featcal']:.4f}   gap closed {row['gap_closed']}"
+              f"   FeatCal - merged {row['featcal_minus_merged']:+.4f}"
+              + ("" if row["expert_below_merged"] else "   (the expert is not below the merge on its own task)"))
     print(f"every task's gap closed > 0: {figures['gap_closed_positive_every_task']}")
 
 
@@ -165,6 +184,7 @@ def main() -> None:
     base = yaml.safe_load((project / "params.yaml").read_text())["model"]["base"]
     figures["memory"] = memory_summary(stages, float32_model_mib(CheckpointReader(resolve_model_ref(base))))
     figures["block_phases_s"] = block_phases(stages)
+    figures["block_phase_totals_s"] = phase_totals(figures["block_phases_s"])
     layer = args.float32_layer if args.float32_layer is not None else len(figures["block_phases_s"]) - 1
     figures["float32_products"] = float32_difference(project, layer)
     figures["nll"] = nll_table(json.loads((project / "results/metrics.json").read_text()))
