@@ -35,10 +35,14 @@ import types
 from pathlib import Path
 
 ENV_KEY = "FEATCAL_WARM_STAGES"
-# Third-party modules every stage imports (or most do); the project's own code is never preloaded.
+# Third-party modules the stages import (and the families' model code); the project's own code is never
+# preloaded.
 PRELOAD = ("numpy", "yaml", "torch", "torch.nn.functional", "safetensors.torch", "transformers",
            "transformers.modeling_utils", "transformers.models.bert.modeling_bert", "zarr", "pyarrow.parquet",
-           "pandas", "tqdm", "optuna", "matplotlib.pyplot")
+           "pandas", "tqdm", "optuna", "matplotlib.pyplot", "pydantic", "pydantic.types", "tabulate",
+           "sqlalchemy", "sqlalchemy.orm",
+           *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "mistral", "t5", "vit", "clip", "mpnet")))
+
 # Environment variables read when those modules are imported: a stage whose values differ runs cold.
 IMPORT_TIME_PREFIXES = ("HF_", "TRANSFORMERS_", "TOKENIZERS_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "OPENBLAS_",
                         "CUDA_", "PYTHON", "ZARR_", "NUMPY_", "ARROW_", "MPL", "TQDM_")
@@ -124,12 +128,20 @@ def _forward(pid: int, signum: int) -> None:
 # --- the server's side -----------------------------------------------------------------------------
 
 
+def _warm_caches() -> None:
+    """Caches the stages fill on their first model load, filled once here: transformers compiles its
+    ~900 checkpoint-renaming patterns the first time it is asked for one architecture's (~0.1 s)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    get_checkpoint_conversion_mapping("bert")
+
+
 def serve(path: str) -> None:
     """Import PRELOAD, then fork a handler per connection until terminated."""
     set_stage_defaults()
     before = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
+    _warm_caches()
     frozen = import_time_env(before)
     # what the imports themselves set (torch: TORCHINDUCTOR_CACHE_DIR), as they would in the stage; a
     # stage started by a process that made those imports (torchrun's workers) has them already
