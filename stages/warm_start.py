@@ -5,7 +5,8 @@ small project that is most of `dvc repro`. `python stages/warm_start.py serve --
 them once and waits; a stage started with FEATCAL_WARM_STAGES=PATH in its environment (checked by
 `start_stage`, every stage script's first call) hands its argv, working directory, environment and
 standard streams to that server, which forks a child to run the script as `python` would, and exits
-with the child's status. Signals sent to the stage process reach the child. Without a server, or
+with the child's status. Signals sent to the stage process reach the child. A stage that starts while
+the server is still importing waits for it (`await_server`). Without a server, or
 when the server cannot stand in (another interpreter, or environment variables read at import time
 differ), the stage runs as usual. Nothing of the project (featcal, stages) is imported by the
 server, so each stage imports the project's code afresh. Whoever can open the socket runs code as
@@ -30,6 +31,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import types
 from pathlib import Path
@@ -93,6 +95,7 @@ def start_stage() -> None:
         return   # not a stage script run as `python stages/<name>.py` (tests and benchmarks import common)
     if None in (sys.__stdin__, sys.__stdout__, sys.__stderr__):
         return   # started with a standard stream closed: its fd may name another file now
+    await_server(path)
     request = {"argv": sys.argv, "script": str(Path(script).resolve()), "cwd": os.getcwd(),
                "env": dict(os.environ), "executable": os.path.realpath(sys.executable),
                # `python -u` (torchrun starts its workers so) writes through
@@ -120,6 +123,27 @@ def start_stage() -> None:
     os._exit(code)
 
 
+def starting_mark(path: str) -> Path:
+    """Beside the socket while the server imports: its pid (the socket itself appears when it is done)."""
+    return Path(f"{path}.starting")
+
+
+def await_server(path: str, timeout_s: float = 120.0) -> None:
+    """A server that is still importing: wait for its socket rather than make the same imports here,
+    cold, on the same CPU (stages that start with the server, as the tests' first ones do). Returns
+    at once when no server is starting, or when it has died."""
+    mark = starting_mark(path)
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        try:
+            os.kill(int(mark.read_text()), 0)
+        except PermissionError:   # alive, another user's: it is still starting
+            pass
+        except (OSError, ValueError):   # no mark (no server starting), or its server has died
+            return
+        time.sleep(0.05)
+
+
 def _forward(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):   # it may have ended meanwhile
         os.kill(pid, signum)
@@ -138,6 +162,17 @@ def _warm_caches() -> None:
 def serve(path: str) -> None:
     """Import PRELOAD, then fork a handler per connection until terminated."""
     set_stage_defaults()
+    mark = starting_mark(path)
+    mark_tmp = mark.with_name(f"{mark.name}.{os.getpid()}.tmp")
+    mark_tmp.write_text(str(os.getpid()))
+    os.replace(mark_tmp, mark)
+    try:
+        _serve(path)
+    finally:
+        mark.unlink(missing_ok=True)
+
+
+def _serve(path: str) -> None:
     before = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
@@ -154,6 +189,7 @@ def serve(path: str) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(tmp)
     os.replace(tmp, path)   # the socket appears only once the imports are done
+    starting_mark(path).unlink(missing_ok=True)
     server.listen(64)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)   # handlers are reaped by the kernel
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

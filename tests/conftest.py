@@ -7,12 +7,13 @@ its own copy (work tree, git history and DVC cache) to change. The project build
 while the other tests run (the tests that use it run last); FEATCAL_TESTS_SERIAL=1 builds it in
 the foreground instead. Under pytest-xdist (`make test` runs two workers) the first worker to start
 builds it and the others wait for that one build (`SharedBuild`). Every DVC stage the tests run
-forks from a server that has imported torch and transformers once (`warm_stage_starts`,
+forks from one server that has imported torch and transformers once (`pytest_configure`,
 stages/warm_start.py); FEATCAL_TESTS_COLD=1 starts each stage cold instead, as `make repro` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -41,7 +42,10 @@ def _load_stage_helper(name: str):
 warm_start = _load_stage_helper("warm_start")
 with_warm_stages = _load_stage_helper("with_warm_stages")   # imports warm_start by name: load it first
 # The stage environment's defaults (offline hub, ...) here too, before transformers is imported: a
-# warm server started from this process then matches what every stage sets for itself.
+# warm server started from this process then matches what every stage sets for itself. The tests
+# never reach a hub, whatever the caller's environment says (and their stages get the same value,
+# tiny_project.project_env, so they match the server).
+os.environ["HF_HUB_OFFLINE"] = "1"
 warm_start.set_stage_defaults()
 # Tiny models gain nothing from intra-op threads and, on a shared machine, threads spin against each
 # other: one thread here and in every subprocess (DVC stages, torchrun workers, tune workers).
@@ -68,23 +72,27 @@ COLD = os.environ.get("FEATCAL_TESTS_COLD", "") not in ("", "0")
 WARM_ENV_KEY = warm_start.ENV_KEY
 
 
+def pytest_configure(config):
+    """One stages/warm_start.py server for the whole session: the suite's DVC stages fork from it
+    instead of each importing torch and transformers (~2.5 s a stage, ~90 stages). It starts before
+    collection, in the first pytest process (under xdist the controller, whose workers inherit its
+    environment), and its socket goes into os.environ, so every subprocess (dvc, and the stages dvc
+    runs) finds it. A stage that starts while the server still imports waits for it; one whose
+    environment differs starts cold."""
+    if COLD or WARM_ENV_KEY in os.environ or hasattr(config, "workerinput"):
+        return
+    stack = contextlib.ExitStack()
+    # ready_s=0: collection and the first tests go on while the server imports
+    path = stack.enter_context(with_warm_stages.serving(dict(os.environ), ready_s=0))
+    os.environ[WARM_ENV_KEY] = str(path)
+    stack.callback(os.environ.pop, WARM_ENV_KEY, None)
+    config.add_cleanup(stack.close)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def warm_stage_starts():
-    """One stages/warm_start.py server per test process: the suite's DVC stages fork from it instead
-    of each importing torch and transformers (~2.5 s a stage, ~90 stages). Its socket goes into
-    os.environ, so every subprocess (dvc, and the stages dvc runs) finds it; a stage that starts
-    before the server is ready, or whose environment differs, starts cold."""
-    if COLD or WARM_ENV_KEY in os.environ:
-        yield None
-        return
-    from tiny_project import project_env
-    # ready_s=0: the tests start while the server imports (`make repro` waits for it instead)
-    with with_warm_stages.serving(project_env(), ready_s=0) as path:
-        os.environ[WARM_ENV_KEY] = str(path)
-        try:
-            yield path
-        finally:
-            os.environ.pop(WARM_ENV_KEY, None)
+    """The session's warm-start socket (pytest_configure), or None when stages start cold."""
+    return os.environ.get(WARM_ENV_KEY)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -114,6 +114,29 @@ def test_without_a_server_or_with_another_import_time_environment_a_stage_runs_c
         assert report["warm"] is False and report["probe"] == "value"
 
 
+def test_a_stage_that_starts_while_the_server_imports_waits_for_it_unless_that_server_died(server, tmp_path):
+    """The tests' first stages start with the server: they wait for its socket (named here by a link
+    to the running one, made while the stage waits) instead of importing torch & co. again, cold."""
+    root, sock = server
+    path = tmp_path / "starting.sock"
+    importing = subprocess.Popen(["sleep", "60"])   # stands for a server still importing
+    try:
+        (tmp_path / "starting.sock.starting").write_text(str(importing.pid))
+        environment = dict(os.environ, FEATCAL_WARM_STAGES=str(path))
+        stage = subprocess.Popen([sys.executable, "stages/probe.py", "where"], cwd=root, env=environment,
+                                 stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        assert stage.poll() is None   # still waiting: no socket yet
+        path.symlink_to(sock)         # the socket appears
+        assert json.loads(stage.communicate(timeout=120)[0]) == {"warm": True}
+    finally:
+        importing.kill()
+        importing.wait()
+    path.unlink()                     # the mark names a server that has died: no wait, a cold start
+    done = probe(root, path, "where")
+    assert done.returncode == 0 and json.loads(done.stdout) == {"warm": False}, done.stderr
+
+
 def test_a_stage_with_a_closed_standard_stream_runs_cold(server):
     root, sock = server
     environment = dict(os.environ, FEATCAL_WARM_STAGES=str(sock))
