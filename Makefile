@@ -100,11 +100,12 @@ bench-llm: setup-llm
 	$(PY) bench/llm.py
 
 # Two pytest-xdist workers, one per core of the target machine; the tiny DVC project builds once.
+# worksteal: a worker that runs out of tests takes some of the other's queue (the suite ends less lopsided).
 TEST_WORKERS ?= 2
 
 test: setup $(LLM_STAMP)
 	bash tests/system_deps.sh
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10 tests
 
 # DVC runs under stages/with_warm_stages.py: its stages fork from one interpreter that has imported
 # torch & co. (a plain `dvc repro` works as well, each stage importing them itself).
