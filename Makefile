@@ -75,7 +75,7 @@ repro-mpnet: setup-mpnet
 
 exp-mpnet: setup-mpnet
 	@test -n "$(SET)" || { echo "usage: make exp-mpnet SET=featcal.alpha=0.5  (any mpnet/params.yaml key)" >&2; exit 2; }
-	cd mpnet && $(CURDIR)/$(PY) ../stages/exp.py --dvc $(CURDIR)/.venv/bin/dvc
+	cd mpnet && $(CURDIR)/$(PY) ../stages/with_warm_stages.py $(CURDIR)/$(PY) ../stages/exp.py --dvc $(CURDIR)/.venv/bin/dvc
 
 # The language-model pipeline (llm/: its own params.yaml, dvc.yaml generated from the root's): three text domains
 # on Qwen2.5-Coder-1.5B, LoRA experts, Task Arithmetic + FeatCal over 28 blocks, scored by mean token NLL
@@ -121,7 +121,7 @@ repro: setup
 # (make passes SET to the recipe's environment unsplit.)
 exp: setup
 	@test -n "$(SET)" || { echo "usage: make exp SET=featcal.alpha=0.5  (any params.yaml key)" >&2; exit 2; }
-	$(PY) stages/exp.py --dvc .venv/bin/dvc
+	$(PY) stages/with_warm_stages.py $(PY) stages/exp.py --dvc .venv/bin/dvc
 
 # The paper's configuration as an experiment next to the dev-chosen default run: Task Arithmetic
 # (s 0.3) + FeatCal at the spec's defaults (α 0.25, ρ 2.2, λ 0.05, pooler as merged). `~` drops the

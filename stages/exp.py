@@ -10,6 +10,9 @@ workspace as it was.
     SET='featcal.alpha=0.5 merge.options={scale: 0.5}' python stages/exp.py --dvc .venv/bin/dvc   # make exp
     python stages/exp.py --check                                                                  # make repro
 
+`make exp` runs it under stages/with_warm_stages.py: the check and the experiment's stages fork from
+one warm interpreter.
+
 The settings come from the environment variable SET (what `make exp SET=...` passes, unsplit), one
 override after another, separated by spaces outside braces, brackets and quotes.
 """
@@ -83,6 +86,8 @@ def main() -> None:
     parser.add_argument("--dvc", default="dvc", help="the dvc executable that runs the experiment")
     args = parser.parse_args()
     sys.path.insert(0, str(STAGES))
+    from warm_start import start_stage
+    start_stage()   # under with_warm_stages (make exp), the check runs warm: its imports cost ~5 s cold
     from params_schema import ParamsError, validate
 
     params = Path(args.params)
