@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import with_warm_stages
+from conftest import warm_start, with_warm_stages
 from tiny_project import ROOT
 
 PROBE = '''
@@ -45,13 +45,19 @@ if mode == "sleep":
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A warm server and a stages folder holding warm_start.py and a probe script."""
+def server(tmp_path_factory, warm_stage_starts):
+    """A warm server (the session's, conftest.pytest_configure, or one of its own when the session
+    runs cold) and a stages folder holding warm_start.py and a probe script."""
     root = tmp_path_factory.mktemp("warm")
     stages = root / "stages"
     stages.mkdir()
     shutil.copy(ROOT / "stages/warm_start.py", stages / "warm_start.py")
     (stages / "probe.py").write_text(PROBE)
+    if warm_stage_starts is not None:
+        warm_start.await_server(warm_stage_starts)
+        assert Path(warm_stage_starts).exists(), "the session's server did not come up in 120 s"
+        yield root, Path(warm_stage_starts)
+        return
     with with_warm_stages.serving(dict(os.environ), ready_s=120) as sock:
         assert sock is not None, "the server did not come up in 120 s"
         yield root, sock
