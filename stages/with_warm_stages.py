@@ -35,7 +35,7 @@ def serving(env: Mapping[str, str] | None = None, ready_s: float = 60.0) -> Iter
     """A warm-start server for the block's duration (started with `env`, default os.environ), its
     socket in a fresh folder only this user can enter. Yields the socket's path once the server
     listens, or None if it did not within `ready_s` (with `ready_s=0` the path at once: stages that
-    start before the server is ready start cold)."""
+    start before the server is ready wait for it, `warm_start.await_server`)."""
     folder = Path(tempfile.mkdtemp(prefix="featcal-warm-"))
     if len(os.fsencode(folder / "stages.sock")) > SOCKET_PATH_MAX:   # a long TMPDIR
         folder.rmdir()

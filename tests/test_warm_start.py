@@ -127,7 +127,7 @@ def test_a_stage_that_starts_while_the_server_imports_waits_for_it_unless_that_s
     path = tmp_path / "starting.sock"
     importing = subprocess.Popen(["sleep", "60"])   # stands for a server still importing
     try:
-        (tmp_path / "starting.sock.starting").write_text(str(importing.pid))
+        warm_start.starting_mark(str(path)).write_text(str(importing.pid))
         environment = dict(os.environ, FEATCAL_WARM_STAGES=str(path))
         stage = subprocess.Popen([sys.executable, "stages/probe.py", "where"], cwd=root, env=environment,
                                  stdout=subprocess.PIPE, text=True)
