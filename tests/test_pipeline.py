@@ -163,6 +163,22 @@ def test_a_stage_is_out_of_date_when_library_code_it_runs_changes(project):
     assert {"calibrate-layer@L00", "calibrate-layer@L01", "collect-expert-features", "evaluate"} <= changed, status
 
 
+def test_bytecode_caches_in_the_code_a_stage_runs_leave_it_up_to_date(project):
+    """A stage that imports featcal writes featcal/**/__pycache__/ (unless PYTHONDONTWRITEBYTECODE is
+    set): .dvcignore keeps them out of the stages' featcal/... deps, or every stage that ran before
+    one which imports another module would be out of date."""
+    project, _ = project
+    before = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
+    cache = project / "featcal/families/__pycache__"
+    cache.mkdir(exist_ok=True)
+    (cache / "planted.cpython-311.pyc").write_bytes(b"\x00" * 16)
+    try:
+        after = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
+    finally:
+        (cache / "planted.cpython-311.pyc").unlink()
+    assert after == before and "featcal/families" not in after, after
+
+
 def code_run_by(script: Path) -> set[str]:
     """The project files a stage script may execute: it, the stage modules and the featcal modules it
     imports (anywhere in a module, function-level imports too), followed transitively, with the

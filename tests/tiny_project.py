@@ -210,7 +210,7 @@ def run(cmd: list[str], cwd: Path, env: Mapping[str, str] | None = None) -> str:
 def copy_pipeline(project: Path) -> None:
     """The project's pipeline definition and the code its stages run (no data, no lock files)."""
     project.mkdir()
-    for name in ("dvc.yaml",):
+    for name in ("dvc.yaml", ".dvcignore"):
         shutil.copy(ROOT / name, project / name)
     for folder in ("stages", "compare"):
         shutil.copytree(ROOT / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__", "dvc.lock"))
