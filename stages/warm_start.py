@@ -13,7 +13,7 @@ server, so each stage imports the project's code afresh. Whoever can open the so
 its owner: keep it in a folder only you can enter (as tests/conftest.py does).
 
 `make repro` and `make exp` run DVC this way (stages/with_warm_stages.py), and so does the test suite
-(tests/conftest.py).
+(tests/conftest.py), whose DVC commands themselves are served too (`hand_over`, tests/dvc_served.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import time
 import traceback
 import types
 from pathlib import Path
+from typing import Sequence
 
 ENV_KEY = "FEATCAL_WARM_STAGES"
 # Third-party modules the stages import (and the families' model code); the project's own code is never
@@ -93,6 +94,12 @@ def start_stage() -> None:
     script = getattr(main, "__file__", None)
     if not path or not script or Path(script).resolve().parent != STAGES_DIR:
         return   # not a stage script run as `python stages/<name>.py` (tests and benchmarks import common)
+    hand_over(path, script)
+
+
+def hand_over(path: str, script: str) -> None:
+    """Run this process's script (`script`, with sys.argv) in the server at `path` and exit with its
+    status; return if the server cannot take it (none there, refused), to run here as usual."""
     if None in (sys.__stdin__, sys.__stdout__, sys.__stderr__):
         return   # started with a standard stream closed: its fd may name another file now
     await_server(path)
@@ -159,22 +166,22 @@ def _warm_caches() -> None:
     get_checkpoint_conversion_mapping("bert")
 
 
-def serve(path: str) -> None:
-    """Import PRELOAD, then fork a handler per connection until terminated."""
+def serve(path: str, preload: Sequence[str] = ()) -> None:
+    """Import PRELOAD and `preload`, then fork a handler per connection until terminated."""
     set_stage_defaults()
     mark = starting_mark(path)
     mark_tmp = mark.with_name(f"{mark.name}.{os.getpid()}.tmp")
     mark_tmp.write_text(str(os.getpid()))
     os.replace(mark_tmp, mark)
     try:
-        _serve(path)
+        _serve(path, (*PRELOAD, *preload))
     finally:
         mark.unlink(missing_ok=True)
 
 
-def _serve(path: str) -> None:
+def _serve(path: str, preload: Sequence[str]) -> None:
     before = dict(os.environ)
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     _warm_caches()
     frozen = import_time_env(before)
@@ -328,8 +335,10 @@ def main() -> None:
     run = sub.add_parser("serve", help="import torch & co. once and serve stage starts on a Unix socket")
     run.add_argument("--socket", required=True,
                      help=f"the socket's path, in a folder only you can enter (stages find it in ${ENV_KEY})")
+    run.add_argument("--preload", nargs="*", default=[], metavar="MODULE",
+                     help="more modules to import beside the stages' (the tests' DVC commands: dvc.cli, ...)")
     args = parser.parse_args()
-    serve(args.socket)
+    serve(args.socket, args.preload)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 from warm_start import ENV_KEY
 
@@ -31,17 +31,20 @@ SOCKET_PATH_MAX = 100   # a Unix socket's path holds at most 107 bytes on Linux
 
 
 @contextlib.contextmanager
-def serving(env: Mapping[str, str] | None = None, ready_s: float = 60.0) -> Iterator[Path | None]:
+def serving(env: Mapping[str, str] | None = None, ready_s: float = 60.0,
+            preload: Sequence[str] = ()) -> Iterator[Path | None]:
     """A warm-start server for the block's duration (started with `env`, default os.environ), its
     socket in a fresh folder only this user can enter. Yields the socket's path once the server
     listens, or None if it did not within `ready_s` (with `ready_s=0` the path at once: stages that
-    start before the server is ready wait for it, `warm_start.await_server`)."""
+    start before the server is ready wait for it, `warm_start.await_server`). `preload`: modules it
+    imports beside the stages' (`warm_start.py serve --preload`)."""
     folder = Path(tempfile.mkdtemp(prefix="featcal-warm-"))
     if len(os.fsencode(folder / "stages.sock")) > SOCKET_PATH_MAX:   # a long TMPDIR
         folder.rmdir()
         folder = Path(tempfile.mkdtemp(prefix="featcal-warm-", dir="/tmp"))
     path = folder / "stages.sock"
-    server = subprocess.Popen([sys.executable, str(SERVER), "serve", "--socket", str(path)],
+    server = subprocess.Popen([sys.executable, str(SERVER), "serve", "--socket", str(path),
+                               *(["--preload", *preload] if preload else [])],
                               env=None if env is None else dict(env), stdin=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + ready_s

@@ -8,7 +8,8 @@ while the other tests run (the tests that use it run last); FEATCAL_TESTS_SERIAL
 the foreground instead. Under pytest-xdist (`make test` runs two workers) the first worker to start
 builds it and the others wait for that one build (`SharedBuild`). Every DVC stage the tests run
 forks from one server that has imported torch and transformers once (`pytest_configure`,
-stages/warm_start.py); FEATCAL_TESTS_COLD=1 starts each stage cold instead, as `make repro` does.
+stages/warm_start.py), and so does every DVC command they run (`DVC`, tests/dvc_served.py: the
+server has imported DVC too); FEATCAL_TESTS_COLD=1 starts each stage cold instead, as `make repro` does.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import yaml  # noqa: E402
 # torch, transformers and tests/tiny_project.py are imported where they are used: under xdist the
 # controller process loads this file too, and importing them here held back every worker ~4 s.
 
-DVC = [sys.executable, "-m", "dvc"]
+from dvc_served import DVC, DVC_PRELOAD  # noqa: E402  (`python -m dvc`, served warm)
 
 
 # --- warm stage starts ----------------------------------------------------------------------------------
@@ -83,7 +84,7 @@ def pytest_configure(config):
         return
     stack = contextlib.ExitStack()
     # ready_s=0: collection and the first tests go on while the server imports
-    path = stack.enter_context(with_warm_stages.serving(dict(os.environ), ready_s=0))
+    path = stack.enter_context(with_warm_stages.serving(dict(os.environ), ready_s=0, preload=DVC_PRELOAD))
     os.environ[WARM_ENV_KEY] = str(path)
     stack.callback(os.environ.pop, WARM_ENV_KEY, None)
     config.add_cleanup(stack.close)

@@ -25,7 +25,7 @@ from featcal.merging import split_options
 from featcal.merging.in_memory import merge_models
 
 import featcal
-from conftest import UPSTREAM, copy_project, stages_run, stages_skipped
+from conftest import DVC, UPSTREAM, copy_project, stages_run, stages_skipped
 from tiny_project import ROOT, project_env, run
 
 pytestmark = pytest.mark.slow
@@ -39,6 +39,7 @@ def project(tiny_project, tmp_path_factory):
     return project, (tiny_project.upstream_output, tiny_project.full_output)
 
 
+@pytest.mark.slow(7)
 def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(project):
     project, (upstream, first) = project
     expected = {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features",
@@ -60,13 +61,13 @@ def test_dvc_repro_then_alpha_change_reruns_only_calibration_and_evaluate(projec
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["featcal"]["alpha"] = 0.5
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    second = run([sys.executable, "-m", "dvc", "repro"], project)
+    second = run([*DVC, "repro"], project)
     assert stages_run(second) == {"calibrate-layer@L00", "calibrate-layer@L01", "evaluate"}, second
     assert {"prepare", "finetune@sentiment", "finetune@topic", "merge", "collect-expert-features",
             "collect-test-features", "evaluate-merged"} <= stages_skipped(second)
     assert (project / "calib/layers/L01.safetensors").read_bytes() != before
 
-    status = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
+    status = run([*DVC, "status", "dvc.yaml"], project)
     assert "up to date" in status.lower(), status
 
 
@@ -139,7 +140,7 @@ def test_fine_tuning_logs_loss_and_dev_accuracy_per_epoch_through_dvclive(projec
         assert float(dev[-1][1]) == json.loads((project / f"results/experts/{task}.json").read_text())["dev"]
     # DVC reads them as the stages' metrics and plots (what `dvc exp show` and `dvc plots` draw from)
     def dvc_json(*args: str) -> dict:   # stdout only: DVC says on stderr that the compare results are absent
-        out = subprocess.run([sys.executable, "-m", "dvc", *args, "--json"], cwd=project, env=project_env(),
+        out = subprocess.run([*DVC, *args, "--json"], cwd=project, env=project_env(),
                              capture_output=True, text=True, check=True)
         return json.loads(out.stdout)
 
@@ -156,7 +157,7 @@ def test_a_stage_is_out_of_date_when_library_code_it_runs_changes(project):
     original = family.read_text()
     try:
         family.write_text(original + "\n# an edit\n")
-        status = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
+        status = run([*DVC, "status", "dvc.yaml"], project)
     finally:
         family.write_text(original)
     changed = set(re.findall(r"^(\S+):\s*$", status, flags=re.M))
@@ -168,12 +169,12 @@ def test_bytecode_caches_in_the_code_a_stage_runs_leave_it_up_to_date(project):
     set): .dvcignore keeps them out of the stages' featcal/... deps, or every stage that ran before
     one which imports another module would be out of date."""
     project, _ = project
-    before = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
+    before = run([*DVC, "status", "dvc.yaml"], project)
     cache = project / "featcal/families/__pycache__"
     cache.mkdir(exist_ok=True)
     (cache / "planted.cpython-311.pyc").write_bytes(b"\x00" * 16)
     try:
-        after = run([sys.executable, "-m", "dvc", "status", "dvc.yaml"], project)
+        after = run([*DVC, "status", "dvc.yaml"], project)
     finally:
         (cache / "planted.cpython-311.pyc").unlink()
     assert after == before and "featcal/families" not in after, after
@@ -239,10 +240,11 @@ def test_every_stage_lists_the_code_it_runs_among_its_deps():
         assert not missing, f"{name}: deps miss {missing}"
 
 
+@pytest.mark.slow(12)
 def test_compare_stages_write_their_results_outside_the_default_run(project):
     project, first = project
     assert not (project / "results/compare_defaults.json").exists()
-    out = run([sys.executable, "-m", "dvc", "repro", "compare/dvc.yaml"], project)
+    out = run([*DVC, "repro", "compare/dvc.yaml"], project)
     assert stages_run(out) == {f"compare/dvc.yaml:{s}" for s in ("compare", "sample-efficiency", "corruption", "sigmerge")}, out
     compare = json.loads((project / "results/compare_defaults.json").read_text())
     assert set(compare["anchors"]) == {"average", "task_arithmetic", "ties"}
@@ -289,7 +291,7 @@ def test_sigmerge_as_the_pipeline_merge_feeds_the_calibration_chain(project):
     params["merge"] = {"method": "sigmerge", "options": {"anchor": "task_arithmetic", "anchor_options": {"scale": 0.3},
                                                          "c_min": 0.02, "c_max": 0.2, "shared_examples_per_task": 4}}
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out = run([sys.executable, "-m", "dvc", "repro"], project)
+    out = run([*DVC, "repro"], project)
     ran = stages_run(out)
     assert "merge" in ran and "collect-expert-features" not in ran, out
     record = json.loads((project / "results/merge/record.json").read_text())
@@ -333,6 +335,7 @@ def test_the_merge_stage_streams_a_data_method_and_equals_the_in_memory_merge(pr
         torch.testing.assert_close(streamed[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow(11)
 def test_stages_under_torchrun_give_the_one_process_weights_in_float64(project, tmp_path):
     """collect-expert-features and calibrate-layer with parallel.nproc_per_node 2 (each stage
     re-launches itself under torchrun, gloo) equal the 1-process run to 1e-9 (see test_distributed

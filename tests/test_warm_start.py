@@ -84,6 +84,7 @@ def test_a_served_stage_gets_argv_cwd_environment_streams_and_its_exit_status(se
     assert done.stderr == "to stderr\n"
 
 
+@pytest.mark.slow(7)
 def test_a_command_under_with_warm_stages_has_its_stages_served_and_exits_with_their_status(server):
     """stages/with_warm_stages.py, which `make repro` and `make exp` run DVC under: a server of its own
     for the command's stages, their exit status passed on, nothing left behind."""
@@ -101,6 +102,30 @@ def test_a_command_under_with_warm_stages_has_its_stages_served_and_exits_with_t
         assert list(folder.iterdir()) == []   # the server stopped and its socket folder is gone
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_script_outside_the_stages_is_served_through_hand_over_as_the_tests_dvc_commands_are(server, tmp_path,
+                                                                                                 warm_stage_starts):
+    """tests/dvc_served.py (the tests' `DVC`) hands itself over as a stage does; the session's server
+    has DVC imported for it (conftest's DVC_PRELOAD)."""
+    root, sock = server
+    script = tmp_path / "outside.py"
+    script.write_text(f"""
+import json, os, sys
+sys.path.insert(0, {str(root / "stages")!r})
+import warm_start
+if os.environ.get(warm_start.CHILD_KEY) != str(os.getpid()):
+    warm_start.hand_over(os.environ[warm_start.ENV_KEY], __file__)
+print(json.dumps({{"warm": "torch" in sys.modules, "dvc": "dvc.repo" in sys.modules, "argv": sys.argv[1:]}}))
+""")
+    environment = dict(os.environ, FEATCAL_WARM_STAGES=str(sock))
+    done = subprocess.run([sys.executable, str(script), "status"], cwd=tmp_path, env=environment, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["warm"] is True and report["argv"] == ["status"], report
+    if warm_stage_starts is not None:
+        assert report["dvc"] is True, report
 
 
 def test_a_process_that_a_served_stage_starts_is_served_too(server):

@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 import yaml
+from dvc_served import DVC
 from transformers import (BertConfig, BertModel, BertTokenizer, CLIPConfig, CLIPModel, CLIPTokenizer,
                           CLIPVisionModelWithProjection, LlamaConfig, LlamaModel, MPNetConfig, MPNetModel, Qwen2Config,
                           Qwen2ForCausalLM, T5Config, T5Model, ViTConfig, ViTImageProcessorPil, ViTModel)
@@ -223,7 +224,7 @@ def init_repo(project: Path, message: str = "tiny project", env: Mapping[str, st
     run(["git", "init", "-q"], project, env)
     run(["git", "config", "user.email", "test@example.com"], project, env)
     run(["git", "config", "user.name", "test"], project, env)
-    run([sys.executable, "-m", "dvc", "init", "-q"], project, env)
+    run([*DVC, "init", "-q"], project, env)
     run([sys.executable, "stages/gen_chain.py"], project, env)
     run(["git", "add", "-A"], project, env)
     run(["git", "commit", "-qm", message], project, env)

@@ -1,0 +1,40 @@
+"""`python -m dvc` for the tests' DVC commands (`DVC`), run by the session's warm-start server.
+
+The suite runs DVC ~140 times, and a DVC process spends ~0.5 s importing DVC before it works. The
+tests' server (conftest's `pytest_configure`) has imported DVC too (`DVC_PRELOAD`), so a command run
+as `[*DVC, ...]` forks from it, as a stage does (stages/warm_start.py), and runs DVC's own `main`
+with this argv, directory, environment and streams. Without a server, or when it cannot take the
+command, DVC runs here, as `python -m dvc` would. Importing this file runs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+DVC = [sys.executable, str(Path(__file__).resolve())]
+# What `dvc repro`, `status`, `push`, `exp` ... import before they work (the rest comes in the command)
+DVC_PRELOAD = (
+    "dvc.cli", "dvc.cli.parser", "dvc.repo", "dvc.repo.reproduce", "dvc.repo.status", "dvc.repo.index",
+    "dvc.repo.stage", "dvc.repo.graph", "dvc.repo.open_repo", "dvc.repo.plots", "dvc.repo.metrics",
+    "dvc.repo.params", "dvc.repo.experiments", "dvc.repo.datasets", "dvc.repo.artifacts", "dvc.stage",
+    "dvc.output", "dvc.dvcfile", "dvc.lock", "dvc.rwlock", "dvc.parsing", "dvc.data_cloud", "dvc.cachemgr",
+    "dvc.scm", "dvc.utils.strictyaml", "scmrepo.git", "dulwich.worktree", "dvc_data.index",
+    "dvc_data.hashfile.db.local", "dvc_render.vega", "dvc_render.html", "flufl.lock", "psutil", "platformdirs",
+    "configobj", "pyparsing", "networkx", "ruamel.yaml")
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
+    import warm_start
+    del sys.path[0]
+    path = os.environ.get(warm_start.ENV_KEY)
+    if path and os.environ.get(warm_start.CHILD_KEY) != str(os.getpid()):
+        warm_start.hand_over(path, __file__)   # returns when the server cannot take it
+    from dvc.cli import main as dvc_main
+    sys.exit(dvc_main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
