@@ -358,11 +358,21 @@ def _uses_tiny_project(item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests on the tiny project run last, so that the project builds while the others run; in
-    each group the modules with `slow` tests first, so that two xdist workers do not end on one long
-    test each. Inside a module the order stays the file's (module-scoped projects are shared)."""
+    """The `slow` tests first, the longest first (`@pytest.mark.slow(seconds)`, about what one takes
+    alone), so that two xdist workers do not end on one long test each: under `--dist worksteal` each
+    worker takes half of this list in order, and one that runs out steals from the end of the
+    other's. The slow tests on the tiny project come after the other slow ones, so that the project
+    builds meanwhile. Otherwise the order stays the files' (a slow test runs before the quick tests
+    of its module, which share its module-scoped project; slow tests of equal seconds keep theirs)."""
     slow_modules = {item.module for item in items if item.get_closest_marker("slow") is not None}
-    items[:] = sorted(items, key=lambda item: (_uses_tiny_project(item), item.module not in slow_modules))
+    items[:] = sorted(items, key=lambda item: (item.get_closest_marker("slow") is None, _uses_tiny_project(item),
+                                               -slow_seconds(item), item.module not in slow_modules))
+
+
+def slow_seconds(item) -> float:
+    """The seconds a `slow` test is marked with (`@pytest.mark.slow(30)`); 5 when unsaid, 0 if not slow."""
+    mark = item.get_closest_marker("slow")
+    return 0.0 if mark is None else float(mark.args[0]) if mark.args else 5.0
 
 
 @pytest.fixture(autouse=True, scope="session")

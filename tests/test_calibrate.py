@@ -63,7 +63,7 @@ def test_calibration_lowers_last_layer_drift():
     assert calibrated.drift[-1].cosine > uncalibrated.drift[-1].cosine
 
 
-@pytest.mark.slow
+@pytest.mark.slow(6)
 def test_real_minilm_base_loads_offline_and_calibrates():
     from featcal.data.encoders import load_encoder
     from featcal.io.models import load_classifier

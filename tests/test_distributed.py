@@ -100,6 +100,7 @@ def test_one_process_data_parallel_path_is_exactly_calibrate(saved):
     assert result.drift == s["single"].drift
 
 
+@pytest.mark.slow(10)
 def test_torchrun_two_processes_match_one_process(saved, tmp_path):
     s = saved
     root = s["root"]

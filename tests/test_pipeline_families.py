@@ -24,7 +24,7 @@ from tiny_project import (RULES, ROOT, image_tasks, make_causal_lm_base, make_cl
 sys.path.insert(0, str(ROOT / "stages"))
 import common  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(15)
 
 def check_family_project(root, tasks: dict, task_class: type, configure: Callable[[dict], None] | None = None,
                          folder: str | None = None, alpha_rerun: bool = False) -> None:

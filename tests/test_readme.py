@@ -33,7 +33,7 @@ def test_the_readme_marks_the_next_steps_runnable():
     assert any(c.startswith("make exp ") for c in commands) and {"make exp-spec", "make metrics"} <= set(commands), commands
 
 
-@pytest.mark.slow
+@pytest.mark.slow(20)
 def test_runnable_readme_commands_work_as_written_without_an_active_virtualenv(tiny_project, tmp_path):
     project = copy_project(tiny_project.full, tmp_path / "project")
     for name in ("Makefile", "requirements.txt", "requirements.lock", "pyproject.toml"):

@@ -18,7 +18,7 @@ from conftest import DOWNSTREAM, DVC, UPSTREAM, copy_project, stages_run, stages
 from ssh_server import ssh_server
 from tiny_project import run
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(14)
 
 
 def files_moved(output: str, verb: str) -> int:

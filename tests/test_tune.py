@@ -138,7 +138,7 @@ def test_dead_or_interrupted_trials_are_rerun_but_failing_objectives_count(tmp_p
 # --- slow: the tiny project -----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(15)   # as long as use_tuned: kept before it (it needs the project untuned)
 def test_second_run_adds_only_the_new_trials(project, monkeypatch):
     assert yaml.safe_load((project / "stages/chain.yaml").read_text())["tune_stage"] == []   # no tune stage
     edit_params(project, featcal__use_tuned=True, tune__n_trials=2, tune__startup_trials=2)
@@ -222,6 +222,7 @@ def test_a_reduced_precision_search_ranks_in_float32_and_its_best_is_calibrated_
         tune.tune(problem, base, tune.SearchSpace(), storage, "search32", 4, tune.StudySettings(startup_trials=2))
 
 
+@pytest.mark.slow(10)
 def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_test_once(project, monkeypatch):
     """`stages/tune.py --method surgery`: the same problem as FeatCal's study (merged model, calibration
     examples, dev without their look-alikes), the paper's defaults first, seeded and resumable."""
@@ -393,6 +394,7 @@ def test_a_data_anchor_inside_a_trial_reads_the_merge_stages_train_sample(projec
     tune.AnchorSearch("sigmerge", {"anchor": "ties"}, {"c_min": tune.Range(0.005, 0.05)})
 
 
+@pytest.mark.slow(35)
 def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project, tmp_path):
     """stages/tune_anchor.py: the anchor merged once from compare.anchors' options, a scored study per
     method whose first trial is the spec's (FeatCal) or the paper's (Surgery) defaults, summaries with
@@ -493,7 +495,7 @@ def assert_layers_equal(project: Path, calibrated: dict, equal: bool = True) -> 
     assert all(same) if equal else not all(same)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(15)
 def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
     # a study of its own without the defaults as trial 0, so the best values are not the defaults
     params = edit_params(project, featcal__use_tuned=True, tune__study_name="wiring", tune__n_trials=2,
@@ -538,7 +540,7 @@ def test_with_use_tuned_dvc_repro_calibrates_with_the_best_values(project):
     assert_layers_equal(project, with_defaults)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(15)
 def test_two_workers_share_one_postgres_study(project, postgres, tmp_path):
     """Two `stages/tune.py` worker processes on one PostgreSQL study: every trial lands once, the total is exact."""
     cmd = [sys.executable, "stages/tune.py", "--storage", postgres.url, "--study-name", "shared",
@@ -584,6 +586,7 @@ WORKER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow(7)
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
 def test_claims_meet_the_total_exactly_under_contention(backend, request, tmp_path):
     url = request.getfixturevalue("postgres").url if backend == "postgresql" else f"sqlite:///{tmp_path / 's.db'}"
