@@ -187,3 +187,11 @@ report: setup
 	$(PY) stages/report.py --metrics results/metrics.json --tuned results/compare.json \
 	  --compare results/compare_defaults.json \
 	  --plots results/plots --live results/live/finetune --out results/report.html
+
+# The same page for the base-size pipeline (after make repro-mpnet and its comparison,
+# `cd mpnet && dvc repro compare/dvc.yaml:compare`): mpnet/results/report.html.
+.PHONY: report-mpnet
+report-mpnet: setup
+	cd mpnet && $(CURDIR)/$(PY) ../stages/report.py --metrics results/metrics.json --tuned results/compare.json \
+	  --compare results/compare_defaults.json \
+	  --plots results/plots --live results/live/finetune --out results/report.html
