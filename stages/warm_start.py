@@ -87,19 +87,20 @@ def start_stage() -> None:
     defaults; then, when a warm interpreter serves this script, run it there and exit with its
     status; otherwise return and let the stage import and run here."""
     set_stage_defaults()
-    path = os.environ.get(ENV_KEY)
-    if os.environ.get(CHILD_KEY) == str(os.getpid()):
-        return   # this is the served child itself
     main = sys.modules.get("__main__")
     script = getattr(main, "__file__", None)
-    if not path or not script or Path(script).resolve().parent != STAGES_DIR:
+    if not script or Path(script).resolve().parent != STAGES_DIR:
         return   # not a stage script run as `python stages/<name>.py` (tests and benchmarks import common)
-    hand_over(path, script)
+    hand_over(script)
 
 
-def hand_over(path: str, script: str) -> None:
-    """Run this process's script (`script`, with sys.argv) in the server at `path` and exit with its
-    status; return if the server cannot take it (none there, refused), to run here as usual."""
+def hand_over(script: str) -> None:
+    """Run this process's script (`script`, with sys.argv) in the server FEATCAL_WARM_STAGES names and exit with
+    its status; return if there is none, if this is the served child itself, or if the server cannot
+    take it (refused), to run here as usual."""
+    path = os.environ.get(ENV_KEY)
+    if not path or os.environ.get(CHILD_KEY) == str(os.getpid()):
+        return   # no server, or this is the served child itself
     if None in (sys.__stdin__, sys.__stdout__, sys.__stderr__):
         return   # started with a standard stream closed: its fd may name another file now
     await_server(path)

@@ -10,7 +10,6 @@ command, DVC runs here, as `python -m dvc` would. Importing this file runs nothi
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -30,9 +29,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
     import warm_start
     del sys.path[0]
-    path = os.environ.get(warm_start.ENV_KEY)
-    if path and os.environ.get(warm_start.CHILD_KEY) != str(os.getpid()):
-        warm_start.hand_over(path, __file__)   # returns when the server cannot take it
+    warm_start.hand_over(__file__)   # returns when there is no server or it cannot take this
     from dvc.cli import main as dvc_main
     sys.exit(dvc_main(sys.argv[1:]))
 

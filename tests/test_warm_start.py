@@ -114,8 +114,7 @@ def test_a_script_outside_the_stages_is_served_through_hand_over_as_the_tests_dv
 import json, os, sys
 sys.path.insert(0, {str(root / "stages")!r})
 import warm_start
-if os.environ.get(warm_start.CHILD_KEY) != str(os.getpid()):
-    warm_start.hand_over(os.environ[warm_start.ENV_KEY], __file__)
+warm_start.hand_over(__file__)
 print(json.dumps({{"warm": "torch" in sys.modules, "dvc": "dvc.repo" in sys.modules, "argv": sys.argv[1:]}}))
 """)
     environment = dict(os.environ, FEATCAL_WARM_STAGES=str(sock))
