@@ -5,6 +5,8 @@ private socket, waits until the server has imported torch & co., runs the comman
 FEATCAL_WARM_STAGES naming the socket, and stops the server when the command ends. Each stage then
 forks from the server instead of spending ~3 s on imports; what it computes is the same
 (tests/test_warm_start.py). A server that does not come up costs only the wait: the stages start cold.
+A command that runs the `dvc` executable runs it as stages/dvc_main.py (dvc.lock written a stage at
+a time, the same bytes), under the interpreter that executable names.
 
     python stages/with_warm_stages.py dvc exp run -S featcal.alpha=0.5
 
@@ -27,6 +29,7 @@ from typing import Iterator, Mapping, Sequence
 from warm_start import ENV_KEY
 
 SERVER = Path(__file__).resolve().parent / "warm_start.py"
+DVC_MAIN = Path(__file__).resolve().parent / "dvc_main.py"
 SOCKET_PATH_MAX = 100   # a Unix socket's path holds at most 107 bytes on Linux
 
 
@@ -61,8 +64,23 @@ def serving(env: Mapping[str, str] | None = None, ready_s: float = 60.0,
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def with_dvc_main(command: list[str]) -> list[str]:
+    """`dvc ARGS` as `<dvc's interpreter> stages/dvc_main.py ARGS`; any other command as it is, and so
+    is a `dvc` whose script does not start with its Python's path."""
+    found = shutil.which(command[0]) if command and Path(command[0]).name == "dvc" else None
+    if found is None:
+        return command
+    with open(found, "rb") as script:
+        first = script.readline(4096)
+    interpreter = first[2:].decode(errors="replace").strip() if first.startswith(b"#!") else ""
+    if not Path(interpreter).name.startswith("python") or not os.access(interpreter, os.X_OK):
+        return command   # e.g. pip's `#!/bin/sh` wrapper for a long interpreter path
+    return [interpreter, str(DVC_MAIN), *command[1:]]
+
+
 def run_served(command: list[str]) -> int:
     """`command`'s exit status, run with a warm-start server (or under the caller's, if it has one)."""
+    command = with_dvc_main(command)
     if os.environ.get(ENV_KEY):
         return subprocess.call(command)
     with serving() as path:

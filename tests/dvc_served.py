@@ -5,7 +5,8 @@ pipeline tests (a tiny project's `dvc status`: 1.9 s cold, 1.2 s served, side by
 tests' server (conftest's `pytest_configure`) has imported DVC too (`DVC_PRELOAD`), so a command run
 as `[*DVC, ...]` forks from it, as a stage does (stages/warm_start.py), and runs DVC's own `main`
 with this argv, directory, environment and streams. Without a server, or when it cannot take the
-command, DVC runs here, as `python -m dvc` would. Importing this file runs nothing.
+command, DVC runs here. Either way DVC writes dvc.lock one stage at a time, as `make repro` runs it
+(stages/dvc_main.py). Importing this file runs nothing.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ DVC_PRELOAD = (
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
+    import dvc_main
     import warm_start
     del sys.path[0]
     warm_start.hand_over(__file__)   # returns when there is no server or it cannot take this
-    from dvc.cli import main as dvc_main
-    sys.exit(dvc_main(sys.argv[1:]))
+    sys.exit(dvc_main.run(sys.argv[1:]))
 
 
 if __name__ == "__main__":
