@@ -1,4 +1,4 @@
-"""`python stages/dvc_main.py <dvc arguments>`: DVC's command line, with dvc.lock rewritten one stage at a time.
+"""`python stages/dvc_main.py <dvc arguments>`: DVC's command line, with its YAML work done once.
 
 DVC (3.x) updates dvc.lock after every stage it runs by parsing the whole file in ruamel.yaml's
 round-trip mode and emitting it again, pure-Python YAML work that grows with the pipeline, not the
@@ -9,16 +9,21 @@ and putting it in place of the old one's text gives the very bytes DVC writes
 (tests/test_dvc_main.py compares them). A lock not in that form (comments, blank lines, other
 top-level keys after `stages:`) is left to DVC's own code.
 
+DVC also parses params.yaml once for every stage that reads params (87 times in one `dvc status` of
+mpnet/, with compare/), and the lock several times, in ruamel.yaml's pure-Python safe mode: a file's
+parse is kept for its text here (`parse_yaml_once`), and each caller gets its own copy.
+
 `make repro`, `make exp` and the tests run DVC this way (stages/with_warm_stages.py,
 tests/dvc_served.py); a plain `dvc repro` writes the same file, the usual way.
 """
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import sys
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 logger = logging.getLogger("dvc.dvcfile")
 
@@ -81,15 +86,37 @@ def spliced(text: str, updates: Iterable[Mapping]) -> tuple[str, bool] | None:
     return head + "".join(entries), changed
 
 
+def parse_yaml_once(parse: Callable[..., Any]) -> Callable[..., Any]:
+    """DVC's `parse_yaml(text, path, typ)` with each text's safe-mode parse kept (a round-trip parse,
+    whose result DVC edits and writes back, is not): a copy of it for every caller, which may change it."""
+    parsed: dict[str, Any] = {}
+
+    def parse_yaml(text, path, typ="safe"):
+        if typ != "safe":
+            return parse(text, path, typ=typ)
+        if text not in parsed:
+            parsed[text] = parse(text, path, typ=typ)   # an error is raised, and nothing kept
+        return copy.deepcopy(parsed[text])
+
+    parse_yaml.once = True
+    return parse_yaml
+
+
 def install() -> None:
     """Make DVC's `Lockfile.dump_stages` splice the updated entries into the lock's text (its own
-    code stays the fallback for a new, empty or unusual lock)."""
+    code stays the fallback for a new, empty or unusual lock), and its YAML parses `parse_yaml_once`."""
+    import dvc.utils.serialize
+    import dvc.utils.strictyaml
     from dvc.dvcfile import Lockfile
     from dvc.stage import serialize
+    from dvc.utils.serialize import _yaml
 
     original = Lockfile.dump_stages
     if getattr(original, "spliced", False):
         return
+    once = parse_yaml_once(_yaml.parse_yaml)
+    for module in (_yaml, dvc.utils.serialize, dvc.utils.strictyaml):   # each holds its own name for it
+        module.parse_yaml = once
 
     def dump_stages(self, stages, **kwargs):
         if not stages:
