@@ -5,8 +5,8 @@ private socket, waits until the server has imported torch & co., runs the comman
 FEATCAL_WARM_STAGES naming the socket, and stops the server when the command ends. Each stage then
 forks from the server instead of spending ~3 s on imports; what it computes is the same
 (tests/test_warm_start.py). A server that does not come up costs only the wait: the stages start cold.
-A command that runs the `dvc` executable runs it as stages/dvc_main.py (dvc.lock written a stage at
-a time, the same bytes), under the interpreter that executable names.
+A command that runs the `dvc` executable runs it as stages/dvc_main.py (DVC with its YAML work done
+once: the same decisions and files), under the interpreter that executable names.
 
     python stages/with_warm_stages.py dvc exp run -S featcal.alpha=0.5
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import with_warm_stages
 from dvc.utils.serialize._yaml import _dump, parse_yaml_for_update
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
@@ -96,3 +97,19 @@ def test_dvc_with_the_spliced_lock_writes_what_dvc_writes(tmp_path, monkeypatch)
             locks[variant, alpha] = (project / "dvc.lock").read_text()
     assert locks["dvc", "0.5"] != locks["dvc", "0.25"]
     assert locks["spliced", "0.25"] == locks["dvc", "0.25"] and locks["spliced", "0.5"] == locks["dvc", "0.5"]
+
+
+def test_make_repro_and_make_exp_run_the_dvc_executable_as_dvc_main(tmp_path):
+    """stages/with_warm_stages.py turns `<venv>/bin/dvc ARGS` into `<its python> stages/dvc_main.py
+    ARGS`; another command, or a `dvc` that is a shell wrapper, runs as given."""
+    dvc = Path(sys.executable).with_name("dvc")
+    interpreter = dvc.read_text().splitlines()[0][2:].strip()
+    assert with_warm_stages.with_dvc_main([str(dvc), "repro", "-q"]) == \
+        [interpreter, str(with_warm_stages.DVC_MAIN), "repro", "-q"]
+    assert with_warm_stages.DVC_MAIN == Path(dvc_main.__file__).resolve()
+    wrapper = tmp_path / "bin" / "dvc"
+    wrapper.parent.mkdir()
+    wrapper.write_text("#!/bin/sh\nexec true\n")
+    wrapper.chmod(0o755)
+    assert with_warm_stages.with_dvc_main([str(wrapper), "repro"]) == [str(wrapper), "repro"]
+    assert with_warm_stages.with_dvc_main([sys.executable, "stages/exp.py"]) == [sys.executable, "stages/exp.py"]
