@@ -10,8 +10,9 @@ and putting it in place of the old one's text gives the very bytes DVC writes
 top-level keys after `stages:`) is left to DVC's own code.
 
 DVC also parses params.yaml once for every stage that reads params (87 times in one `dvc status` of
-mpnet/, with compare/), and the lock several times, in ruamel.yaml's pure-Python safe mode: a file's
-parse is kept for its text here (`parse_yaml_once`), and each caller gets its own copy.
+mpnet/, with compare/), and the lock several times (ruamel.yaml's safe mode: parsed in C with
+ruamel.yaml.clib, built into Python objects in Python): a file's parse is kept for its text here
+(`parse_yaml_once`), and each caller gets its own copy.
 
 `make repro`, `make exp` and the tests run DVC this way (stages/with_warm_stages.py,
 tests/dvc_served.py); a plain `dvc repro` writes the same file, the usual way.
