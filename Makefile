@@ -146,11 +146,13 @@ timings: setup
 
 # Benchmarks (not tests): side-by-side measurements on the demo; needs `make repro` first.
 # alpha_rerun.py runs `dvc exp run -S featcal.alpha=0.5` and restores the workspace afterwards;
-# alpha_rerun_floor.py measures what that experiment costs whatever its stages compute (DVC, drift, imports).
+# alpha_rerun_floor.py measures what that experiment costs whatever its stages compute (DVC, drift, imports);
+# study_cost.py runs fresh 24-trial TA studies of FeatCal and Surgery (~25 min) and divides their times.
 bench: setup
 	$(PY) bench/calibration_cost.py
 	$(PY) bench/alpha_rerun.py
 	$(PY) bench/alpha_rerun_floor.py
+	$(PY) bench/study_cost.py
 	$(MAKE) --no-print-directory bench-scaling
 
 # The same figures on the base-size pipeline (after make repro-mpnet), into mpnet/results/bench.json:
