@@ -7,8 +7,8 @@
         ridge=1e-5:1:log alpha@0=0:1 alpha@1=0:1 alpha@2=0:1 alpha@3=0:1 alpha@4=0:1 alpha@5=0:1
 
 The anchor is merged once with `compare.anchors.<anchor>`'s options (`stages/merge.py` on a params
-file naming it, kept under --work and reused while those options stay the same); then, for each
-method, `stages/tune.py --method <m> --score-test` runs a seeded, resumable study of --n-trials
+file naming it, kept under --work and reused while those options and the experts' files stay the
+same); then, for each method, `stages/tune.py --method <m> --score-test` runs a seeded, resumable study of --n-trials
 (default `tune.n_trials`) scored on dev, reads test once for the dev-best configuration and writes
 `<out>/<anchor>_<method>.json` (what `stages/compare_tuned.py` tabulates). Every study of the
 comparison starts from the same place: FeatCal's first trial is the spec's defaults (α 0.25, ρ 2.2,
@@ -98,10 +98,17 @@ def run(cmd: list[str], cwd: Path, log: Path) -> None:
         raise SystemExit(f"tune_anchor: {' '.join(cmd[1:3])} failed ({code}); log {log}:\n{log.read_text()[-3000:]}")
 
 
+def experts_identity(experts: Path) -> str:
+    """Every file under the experts' folder by name, size and modification time: new experts (another
+    fine-tuning, another machine's) name another merge, where the options alone would reuse a stale one."""
+    files = sorted(p for p in experts.rglob("*") if p.is_file())
+    return json.dumps([[str(p.relative_to(experts)), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+
+
 def merged_anchor(local: dict, name: str, experts: Path, work: str, variant: str | None = None) -> Path:
-    """The folder of the anchor's merge under `work` (one per merge options), merged once by
+    """The folder of the anchor's merge under `work` (one per merge options and experts), merged once by
     `stages/merge.py` from the folder's params.yaml (the merge stage writes whole or not at all)."""
-    options = json.dumps(local["merge"], sort_keys=True)
+    options = json.dumps(local["merge"], sort_keys=True) + experts_identity(experts)
     folder = (Path(work) / f"{name}-{hashlib.sha1(options.encode()).hexdigest()[:8]}").resolve()
     folder.mkdir(parents=True, exist_ok=True)
     merged = folder / "merged"
