@@ -329,6 +329,7 @@ class Tune(Section):
     prune_after_layers: list_of(integer(0)) = []
     prune_startup_trials: integer(0) = 5
     trial_product_dtype: Optional[one_of(*PRODUCT_DTYPES)] = None   # trials' moment products; the best: featcal's
+    trial_examples_per_task: Optional[integer(1)] = None   # trials' calibration examples per task; the best: all
     expert_cache_mib: Optional[integer(0)] = 8192   # the experts' captured block inputs kept for later trials; 0 off
 
 

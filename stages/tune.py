@@ -100,17 +100,16 @@ def test_summary(scores: dict[str, float]) -> dict[str, float]:
 
 def score_best(summary: dict, study, score: Callable[[Mapping | None], dict[str, float]], params: dict,
                tasks: list[str], predictions: str | None) -> None:
-    """The dev-best model scored on test once (`summary["test"]`; `score(None)` scores dev). With
-    `predictions`, its dev and test predictions go to <predictions>/<study>.parquet, and
-    `summary["rescored_dev"]` says whether dev scored as the study recorded for that trial."""
+    """The dev-best model scored on test once (`summary["test"]`; `score(None)` scores dev) and on dev:
+    `summary["rescored_dev"]` says whether dev scored as the study recorded for that trial (it does
+    not when the trials searched in reduced precision or on fewer examples; its `dev` is then the
+    deployed model's). With `predictions`, its dev and test predictions go to <predictions>/<study>.parquet."""
     test = test_splits(params, tasks)
-    if not predictions:
-        summary["test"] = test_summary(score(test))
-        return
     with recording() as records:
         dev = score(None)
         summary["test"] = test_summary(score(test))
-    write_predictions(Path(predictions) / f"{study.study_name}.parquet", {study.study_name: records})
+    if predictions:
+        write_predictions(Path(predictions) / f"{study.study_name}.parquet", {study.study_name: records})
     recorded = study.best_trial.user_attrs.get("dev", {})
     summary["rescored_dev"] = {"dev": test_summary(dev)["avg"],
                                "matches_trial": all(round(dev[t], 6) == recorded.get(t) for t in dev)}

@@ -223,6 +223,37 @@ def test_a_reduced_precision_search_ranks_in_float32_and_its_best_is_calibrated_
         tune.tune(problem, base, tune.SearchSpace(), storage, "search32", 4, tune.StudySettings(startup_trials=2))
 
 
+def test_a_reduced_fidelity_search_calibrates_trials_on_the_first_examples_and_its_best_on_all(project, tmp_path):
+    """tune.trial_examples_per_task: N: each trial's walk reads each task's first N calibration examples
+    (and the experts' states and cached inputs of those only); the best trial's values are calibrated on
+    every example, as a fresh problem calibrates them; one study holds one fidelity."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    problem = problem_of(project, params)
+    base = FeatCalConfig.from_mapping({**params["featcal"], "product_dtype": "float64"})
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    settings = tune.StudySettings(startup_trials=2, trial_examples_per_task=12)   # of 24, batches of 8: 8 + 4
+    outcome = tune.tune(problem, base, tune.SearchSpace(), storage, "few", 3, settings)
+    assert outcome.summary["trial_examples_per_task"] == 12
+    config = dataclasses.replace(base, **tune.best_values(outcome.study, base))
+    few = problem.calibrate(config, examples_per_task=12)
+    assert statistics.fmean(problem.score(few).values()) == outcome.study.best_trial.value
+    cut = problem_of(project, params)   # the same walk on a problem that only has those examples, no cache
+    cut.batches, cut.expert_inputs = {t: objective.leading_examples(b, 12) for t, b in cut.batches.items()}, None
+    states = cut._expert_states
+    cut._expert_states = lambda layer: {k: v[:12] for k, v in states(layer).items()}
+    assert [len(b["input_ids"]) for b in cut.batches["topic"]] == [8, 4]
+    few, alone = few.state_dict(), cut.calibrate(config).state_dict()
+    assert all(torch.equal(few[n], alone[n]) for n in few)
+    full = problem.calibrate(config).state_dict()   # after trials that filled the cache with 12 examples' inputs
+    fresh = problem_of(project, params).calibrate(config).state_dict()
+    assert all(torch.equal(full[n], fresh[n]) for n in full)
+    assert not all(torch.equal(full[n], few[n]) for n in full)
+    with pytest.raises(tune.StudyMismatchError):   # one study, one fidelity
+        tune.tune(problem, base, tune.SearchSpace(), storage, "few", 4, tune.StudySettings(startup_trials=2))
+    with pytest.raises(ValueError, match=r"tune.trial_examples_per_task: 25 calibration examples per task asked"):
+        tune.tune(problem, base, tune.SearchSpace(), storage, "more", 1, tune.StudySettings(trial_examples_per_task=25))
+
+
 @pytest.mark.slow(10)
 def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_test_once(project, monkeypatch):
     """`stages/tune.py --method surgery`: the same problem as FeatCal's study (merged model, calibration

@@ -95,17 +95,38 @@ class ExpertInputCache:
     side of every block is the same in every trial: captured in the first walk, read in the others
     (`calibrate_block`). Keyed by block and product dtype (a float64 walk keeps its W x rows in
     float64). `max_bytes` bounds what is held; a block that would pass it is not kept, and its
-    experts run in every walk. `nbytes`: the memory held (distinct storages).
+    experts run in every walk. `nbytes`: the memory held (distinct storages). `for_examples(n)`: a
+    view of the same store (same bound) for walks over each task's first `n` calibration examples.
     """
 
     def __init__(self, max_bytes: int | None = None):
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self.skipped: set[int] = set()
-        self._blocks: dict[tuple[int, torch.dtype], dict[str, list[dict[str, Tensor]]]] = {}
+        self._max_bytes, self._nbytes = max_bytes, 0
+        self._skipped: set[int] = set()
+        self._blocks: dict[tuple, dict[str, list[dict[str, Tensor]]]] = {}
+        self._root, self._part = self, None
+
+    @property
+    def max_bytes(self) -> int | None:
+        return self._root._max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self._root._nbytes
+
+    @property
+    def skipped(self) -> set[int]:
+        return self._root._skipped
+
+    def for_examples(self, n: int | None) -> "ExpertInputCache":
+        """The cache of walks over each task's first `n` calibration examples (None: all of them)."""
+        if n is None:
+            return self._root
+        view = object.__new__(ExpertInputCache)
+        view._root, view._part = self._root, n
+        return view
 
     def get(self, index: int, dtype: torch.dtype) -> dict[str, list[dict[str, Tensor]]] | None:
-        return self._blocks.get((index, dtype))
+        return self._root._blocks.get((index, dtype, self._part))
 
     def put(self, index: int, dtype: torch.dtype, captured: dict[str, list[dict[str, Tensor]]]) -> None:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -114,11 +135,11 @@ class ExpertInputCache:
         if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
             self.skipped.add(index)
             return
-        self._blocks[(index, dtype)] = captured
-        self.nbytes += size
+        self._root._blocks[(index, dtype, self._part)] = captured
+        self._root._nbytes += size
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._root._blocks)
 
 
 def projected_key(name: str) -> str:

@@ -249,6 +249,7 @@ class TuneProblem:
         self._train_of: dict[int, Mapping[str, Sequence[Mapping[str, Tensor]]]] = {}
         # the experts' module inputs of every block, captured in the first trial (None: every trial runs them)
         self.expert_inputs = ExpertInputCache(expert_cache_bytes) if expert_cache_bytes != 0 else None
+        self._leading: dict[int, dict[str, list[dict[str, Tensor]]]] = {}   # n -> each task's first n examples
 
     def states(self, layer: int) -> Mapping[str, Tensor]:
         if layer not in self._states:
@@ -308,19 +309,39 @@ class TuneProblem:
             self._dev_of[key] = self.score(backbone)
         return self._dev_of[key]
 
+    def calibration_batches(self, examples_per_task: int | None = None) -> Mapping[str, list[dict[str, Tensor]]]:
+        """Each task's calibration batches, or only its first `examples_per_task` examples (a trial of a
+        reduced-fidelity search); more than a task has is refused, naming `tune.trial_examples_per_task`."""
+        if examples_per_task is None:
+            return self.batches
+        if examples_per_task not in self._leading:
+            have = {t: sum(len(next(iter(b.values()))) for b in batches) for t, batches in self.batches.items()}
+            short = {t: n for t, n in have.items() if n < examples_per_task}
+            if examples_per_task < 1 or short:
+                raise ValueError(f"tune.trial_examples_per_task: {examples_per_task} calibration examples per task "
+                                 f"asked; the calibration sample holds {have} (calibration.examples_per_task)")
+            self._leading[examples_per_task] = {t: leading_examples(b, examples_per_task)
+                                                for t, b in self.batches.items()}
+        return self._leading[examples_per_task]
+
     def calibrate(self, config: FeatCalConfig, after_block: Callable[[int, nn.Module], None] | None = None,
-                  merged: nn.Module | None = None) -> nn.Module:
+                  merged: nn.Module | None = None, examples_per_task: int | None = None) -> nn.Module:
         """A calibrated copy of the merged backbone (or of `merged`, e.g. `merged_with`'s): the walk,
-        with the experts' states from the cache."""
+        with the experts' states from the cache; on each task's first `examples_per_task` calibration
+        examples only, where given (the experts' cached states are cut the same way)."""
+        batches = self.calibration_batches(examples_per_task)
         backbone = copy.deepcopy(self.merged if merged is None else merged)
 
         def on_block(k: int, _result) -> None:
             if after_block is not None and k < self.n_blocks - 1:
                 after_block(k, backbone)
 
-        walk_all(self.family, backbone, self.weights, self.batches, config,   # a trial reads its dev score, no drift
-                 expert_states=CachedExpertStates(self.family, self.states), on_block=on_block, progress=False,
-                 measure_drift=False, expert_inputs=self.expert_inputs)
+        inputs = None if self.expert_inputs is None else self.expert_inputs.for_examples(examples_per_task)
+        states = self.states if examples_per_task is None else \
+            (lambda layer: {k: v[:examples_per_task] for k, v in self.states(layer).items()})
+        walk_all(self.family, backbone, self.weights, batches, config,   # a trial reads its dev score, no drift
+                 expert_states=CachedExpertStates(self.family, states), on_block=on_block, progress=False,
+                 measure_drift=False, expert_inputs=inputs)
         return backbone
 
     @torch.no_grad()
@@ -331,10 +352,11 @@ class TuneProblem:
         return score_backbone(backbone, self._scorers, self.encoder, {t: splits[t] for t in self.dev},
                               {t: d.max_length for t, d in self.dev.items()})
 
-    def fingerprint(self, config: FeatCalConfig, space: SearchSpace, anchor: AnchorSearch | None = None) -> str:
+    def fingerprint(self, config: FeatCalConfig, space: SearchSpace, anchor: AnchorSearch | None = None,
+                    examples_per_task: int | None = None) -> str:
         """A digest of what a trial's score depends on apart from the searched values: models,
-        cached states, calibration inputs, dev data, the fixed FeatCal settings and, with an anchor
-        search, its method and fixed options."""
+        cached states, calibration inputs, dev data, the fixed FeatCal settings, with an anchor
+        search its method and fixed options, and the trials' calibration examples per task if cut."""
         h = hashlib.blake2b(digest_size=20)
         hash_module(h, self.merged)
         hash_module(h, self.family.backbone(self.base))
@@ -360,6 +382,8 @@ class TuneProblem:
             h.update(repr((anchor.method, sorted(fixed_options.items()), sorted(anchor.ranges))).encode())
             if anchor.data:
                 h.update(repr(sorted(anchor.data.items())).encode())
+        if examples_per_task is not None:   # (a study on every example keeps the fingerprint it always had)
+            h.update(f"trial_examples_per_task={examples_per_task}".encode())
         return h.hexdigest()
 
 
@@ -434,9 +458,11 @@ def load_problem(
 
 
 def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig,
-                   prune_after: Sequence[int] = (), anchor: AnchorSearch | None = None) -> Callable[[Trial], float]:
+                   prune_after: Sequence[int] = (), anchor: AnchorSearch | None = None,
+                   examples_per_task: int | None = None) -> Callable[[Trial], float]:
     """Objective: mean dev accuracy over tasks of the model calibrated with the trial's values
-    (with `anchor`, from the merge with the trial's anchor values).
+    (with `anchor`, from the merge with the trial's anchor values; with `examples_per_task`, on each
+    task's first that many calibration examples).
 
     With `prune_after` (block indices), the partly calibrated model (blocks 0..k calibrated, the
     rest merged) is scored after each listed block and reported, so a pruner may stop the trial.
@@ -457,7 +483,7 @@ def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig
                     raise optuna.TrialPruned(f"dev {partial:.4f} after block {k}")
 
         start = time.perf_counter()
-        backbone = problem.calibrate(config, after_block if prune_after else None, merged)
+        backbone = problem.calibrate(config, after_block if prune_after else None, merged, examples_per_task)
         trial.set_user_attr("calibrate_s", round(time.perf_counter() - start, 3))
         if problem.expert_inputs is not None:   # the memory the experts' side takes, once captured
             trial.set_user_attr("expert_inputs_mib", round(problem.expert_inputs.nbytes / 2**20, 1))

@@ -530,6 +530,9 @@ class StudySettings:
     # a search needs); None: the base config's. The best trial's values are calibrated again in the
     # base config's (exact) path for whatever is written or scored on test (docs/tuning.md).
     trial_product_dtype: str | None = None
+    # a search mode: each trial calibrates on each task's first N calibration examples (cheaper trials,
+    # a noisier ranking); None: all of them. Whatever leaves the study is calibrated on all of them.
+    trial_examples_per_task: int | None = None
 
 
 @dataclass
@@ -556,7 +559,8 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
     pruner = (optuna.pruners.MedianPruner(n_startup_trials=settings.prune_startup_trials)
               if settings.prune_after_layers else None)
     study = open_study(rdb, study_name, pruner=pruner,
-                       fingerprint=problem.fingerprint(trial_base, space, anchor) if check_fingerprint else None)
+                       fingerprint=problem.fingerprint(trial_base, space, anchor, settings.trial_examples_per_task)
+                       if check_fingerprint else None)
     study.set_user_attr("dev_dropped", {t: d.dropped for t, d in problem.dev.items()})
     existing = count_trials(study)
     log.info("study %r in %s: %d trials counted, target %d", study_name, redacted(storage), existing, n_trials)
@@ -572,12 +576,19 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
         log.warning("the defaults %s lie outside the search space: not enqueued", {**defaults, **anchor_defaults})
     from featcal.tuning.objective import make_objective
 
-    objective = make_objective(problem, space, trial_base, settings.prune_after_layers, anchor)
+    if settings.trial_examples_per_task is not None:   # more than the sample holds: refused before any trial
+        problem.calibration_batches(settings.trial_examples_per_task)
+    objective = make_objective(problem, space, trial_base, settings.prune_after_layers, anchor,
+                               settings.trial_examples_per_task)
     with _readable_storage(storage):   # a file locked or damaged mid-study: said in one line
         ran = run_trials(study, objective, n_trials, seed=settings.seed, startup_trials=settings.startup_trials,
                          lock=ClaimLock(storage, study_name), enqueue=enqueue)
     summary = summarize(study)
     summary.update({"storage": redacted(storage), "target": n_trials, "ran_now": len(ran)})
+    if settings.trial_examples_per_task is not None:
+        summary["trial_examples_per_task"] = settings.trial_examples_per_task
+    if settings.trial_product_dtype:
+        summary["trial_product_dtype"] = settings.trial_product_dtype
     return TuneOutcome(study, ran, existing, summary)
 
 
