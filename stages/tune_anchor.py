@@ -83,6 +83,13 @@ def parse_search(items: list[str], flag: str = "--anchor-search") -> dict:
     return out
 
 
+def examples_or_all(text: str) -> int | str:
+    """--trial-examples-per-task: a positive count, or `all`."""
+    if text == "all":
+        return text
+    return positive_int(text)
+
+
 def sigmerge_search(params: dict) -> dict[str, list[float]]:
     """SigMerge's (c_min, c_max) searched over the span of `compare.sigmerge.grid`."""
     grid = get(params, "compare.sigmerge.grid")
@@ -169,6 +176,9 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
         summary = json.loads(summary_file.read_text())
         local = anchor_params(params, args.anchor, searched_in_study(storage, summary["study"]),
                               pooler=not args.no_pooler, sigmerge=args.sigmerge)
+        for mode in ("trial_examples_per_task", "trial_product_dtype"):   # the study's search mode, if it says
+            if mode in summary:
+                local["tune"][mode] = summary[mode]
         folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work)
         params_file = folder / f"params-rescore-{method}.yaml"
         params_file.write_text(yaml.safe_dump(local, sort_keys=False))
@@ -219,6 +229,9 @@ def main() -> None:
                              "(needs --variant)")
     parser.add_argument("--variant", help="a study beside the protocol's: its name, summary "
                                           "(<anchor>_<method>_<variant>.json) and params file carry this suffix")
+    parser.add_argument("--trial-examples-per-task", type=examples_or_all, metavar="N|all",
+                        help="tune.trial_examples_per_task for these studies: each trial calibrates on each task's "
+                             "first N calibration examples (all: every example); default: params.yaml's")
     parser.add_argument("--experts", default="experts", help="folder of the experts")
     parser.add_argument("--features", default="features/experts", help="the experts' cached calibration features")
     parser.add_argument("--out", default="results/dev_tuning", help="where <anchor>_<method>.json are written")
@@ -245,6 +258,9 @@ def main() -> None:
     local = anchor_params(params, args.anchor, searched, pooler=not args.no_pooler, sigmerge=args.sigmerge)
     if args.search:
         local["tune"]["search"] = parse_search(args.search, "--search")
+    if args.trial_examples_per_task is not None:
+        local["tune"]["trial_examples_per_task"] = None if args.trial_examples_per_task == "all" \
+            else args.trial_examples_per_task
     name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
     folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work, args.variant)
     params_file = folder / (f"params-{args.variant}.yaml" if args.variant else "params.yaml")
