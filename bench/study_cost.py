@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from alpha_rerun import merge_json, verdict  # noqa: E402
 
 ANCHOR = "task_arithmetic"
-METHODS = ("featcal", "surgery")
 GOAL = 1.0   # issue: FeatCal's study costs no more than Surgery's
 DEV_DROP_GOAL = 0.1   # issue: a cheaper search keeps the best dev within 0.1 points
 

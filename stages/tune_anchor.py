@@ -176,9 +176,11 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
         summary = json.loads(summary_file.read_text())
         local = anchor_params(params, args.anchor, searched_in_study(storage, summary["study"]),
                               pooler=not args.no_pooler, sigmerge=args.sigmerge)
-        for mode in ("trial_examples_per_task", "trial_product_dtype"):   # the study's search mode, if it says
-            if mode in summary:
-                local["tune"][mode] = summary[mode]
+        # the study's search mode: its calibration examples (a summary without them: every example) and,
+        # where the summary says, its products' dtype
+        local["tune"]["trial_examples_per_task"] = summary.get("trial_examples_per_task")
+        if "trial_product_dtype" in summary:
+            local["tune"]["trial_product_dtype"] = summary["trial_product_dtype"]
         folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work)
         params_file = folder / f"params-rescore-{method}.yaml"
         params_file.write_text(yaml.safe_dump(local, sort_keys=False))
