@@ -8,8 +8,8 @@
 
 The anchor is merged once with `compare.anchors.<anchor>`'s options (`stages/merge.py` on a params
 file naming it, kept under --work and reused while those options and the experts' files stay the
-same); then, for each method, `stages/tune.py --method <m> --score-test` runs a seeded, resumable study of --n-trials
-(default `tune.n_trials`) scored on dev, reads test once for the dev-best configuration and writes
+same); then, for each method, `stages/tune.py --method <m> --score-test` runs a seeded, resumable
+study of --n-trials (default `tune.n_trials`) scored on dev, reads test once for the dev-best configuration and writes
 `<out>/<anchor>_<method>.json` (what `stages/compare_tuned.py` tabulates). Every study of the
 comparison starts from the same place: FeatCal's first trial is the spec's defaults (α 0.25, ρ 2.2,
 λ 0.05) with the pooler calibrated, Surgery's and ProbSurgery's their papers' defaults; the ranges
