@@ -31,11 +31,12 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from alpha_rerun import merge_json, verdict  # noqa: E402
+from alpha_rerun import merge_json, verdict  # noqa: E402  (it puts stages/ on the path)
+from common import get, load_params  # noqa: E402
+from tune_anchor import examples_or_all  # noqa: E402
 
 ANCHOR = "task_arithmetic"
 GOAL = 1.0   # issue: FeatCal's study costs no more than Surgery's
@@ -64,14 +65,13 @@ def run_study(method: str, n_trials: int, folder: Path, extra: list[str]) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-trials", type=int, default=24, help="trials per study (the comparison's protocol: 24)")
-    parser.add_argument("--trial-examples", metavar="N|all",
+    parser.add_argument("--trial-examples", type=examples_or_all, metavar="N|all",
                         help="the FeatCal study's tune.trial_examples_per_task (default: params.yaml's)")
     parser.add_argument("--no-reference", action="store_true",
                         help="no FeatCal study on every example beside one on fewer")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench.json"))
     args = parser.parse_args()
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    fewer = args.trial_examples or (params.get("tune") or {}).get("trial_examples_per_task")
+    fewer = args.trial_examples or get(load_params(ROOT / "params.yaml"), "tune.trial_examples_per_task", None)
     runs = {"featcal": ("featcal", ["--trial-examples-per-task", str(args.trial_examples)] if args.trial_examples else [])}
     if fewer not in (None, "all") and not args.no_reference:
         runs["featcal_all_examples"] = ("featcal", ["--trial-examples-per-task", "all"])

@@ -108,8 +108,8 @@ def run(cmd: list[str], cwd: Path, log: Path) -> None:
 def experts_identity(experts: Path) -> str:
     """Every file under the experts' folder by name, size and modification time: new experts (another
     fine-tuning, another machine's) name another merge, where the options alone would reuse a stale one."""
-    files = sorted(p for p in experts.rglob("*") if p.is_file())
-    return json.dumps([[str(p.relative_to(experts)), p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+    stats = {str(p.relative_to(experts)): p.stat() for p in experts.rglob("*") if p.is_file()}
+    return json.dumps([[name, st.st_size, st.st_mtime_ns] for name, st in sorted(stats.items())])
 
 
 def merged_anchor(local: dict, name: str, experts: Path, work: str, variant: str | None = None) -> Path:

@@ -315,7 +315,7 @@ class TuneProblem:
         if examples_per_task is None:
             return self.batches
         if examples_per_task not in self._leading:
-            have = {t: sum(len(next(iter(b.values()))) for b in batches) for t, batches in self.batches.items()}
+            have = {t: sum(map(examples_in, batches)) for t, batches in self.batches.items()}
             short = {t: n for t, n in have.items() if n < examples_per_task}
             if examples_per_task < 1 or short:
                 raise ValueError(f"tune.trial_examples_per_task: {examples_per_task} calibration examples per task "
@@ -400,13 +400,18 @@ def hash_module(h, m: nn.Module) -> None:
         hash_tensor(h, value)
 
 
+def examples_in(batch: Mapping[str, Tensor]) -> int:
+    """How many examples a batch holds (every tensor's first dimension)."""
+    return len(next(iter(batch.values())))
+
+
 def leading_examples(batches: Sequence[Mapping[str, Tensor]], n: int) -> list[dict[str, Tensor]]:
     """The first `n` examples of a batch list, as batches (the last one cut short)."""
     out, left = [], n
     for batch in batches:
         if left <= 0:
             break
-        size = len(next(iter(batch.values())))
+        size = examples_in(batch)
         out.append({k: v[:left] for k, v in batch.items()} if size > left else dict(batch))
         left -= size
     return out
