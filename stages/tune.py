@@ -171,16 +171,18 @@ def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_tri
     """A post-merge baseline's study (same problem, same budget), its summary and, once, its test scores."""
     from featcal.tuning.baselines import BaselineProblem, best_config, tune_baseline
 
-    baseline = BaselineProblem(problem)
+    # tune.trial_examples_per_task: the trials read each task's first N calibration examples, as FeatCal's do
+    baseline = BaselineProblem(problem, get(params, "tune.trial_examples_per_task", None))
     outcome = tune_baseline(baseline, args.method, storage, study_name, n_trials, seed=int(get(params, "seed")),
                             anchor=anchor)
     if args.summary:
         summary = dict(outcome.summary)
-        if args.score_test:
+        if args.score_test:   # the best configuration trained once more, on every example
+            final = baseline.on_every_example()
             if anchor is not None:
-                baseline.use_merged(best_merge(problem, anchor, outcome.study))
-            modules = baseline.train(best_config(outcome, args.method))
-            score_best(summary, outcome.study, lambda splits: baseline.score(modules, splits), params, tasks,
+                final.use_merged(best_merge(problem, anchor, outcome.study))
+            modules = final.train(best_config(outcome, args.method))
+            score_best(summary, outcome.study, lambda splits: final.score(modules, splits), params, tasks,
                        args.predictions)
         write_json(args.summary, summary)
     best = outcome.summary.get("best", {})

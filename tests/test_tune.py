@@ -254,6 +254,45 @@ def test_a_reduced_fidelity_search_calibrates_trials_on_the_first_examples_and_i
         tune.tune(problem, base, tune.SearchSpace(), storage, "more", 1, tune.StudySettings(trial_examples_per_task=25))
 
 
+def test_a_reduced_fidelity_baseline_study_trains_on_the_first_examples_and_its_best_on_all(project, tmp_path,
+                                                                                                 monkeypatch):
+    """tune.trial_examples_per_task reaches Surgery's and ProbSurgery's studies too: a trial trains on the
+    representations of each task's first N calibration examples, as FeatCal's trials calibrate on them; the
+    best configuration is trained on every example for what leaves the study; one study, one fidelity."""
+    from featcal.baselines.surgery import SurgeryConfig, train_surgery
+    from featcal.tuning import baselines
+
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    problem = problem_of(project, params)
+    few = baselines.BaselineProblem(problem, 12)   # of 24 per task
+    full = few.on_every_example()
+    assert full.examples_per_task is None and full.on_every_example() is full
+    for task in problem.dev:
+        assert len(few.expert_feats[task]) == len(few.merged_feats[task]) == 12
+        assert len(full.expert_feats[task]) == 24
+        torch.testing.assert_close(few.expert_feats[task], full.expert_feats[task][:12], rtol=1e-5, atol=1e-5)
+    storage = f"sqlite:///{tmp_path / 'few.db'}"
+    outcome = baselines.tune_baseline(few, "surgery", storage, "few", 2, startup_trials=2)
+    assert outcome.summary["trial_examples_per_task"] == 12
+    default = train_surgery(few.merged_feats, few.expert_feats, SurgeryConfig(progress=False), split="train")
+    assert trials_of(storage, "few")[0].value == pytest.approx(statistics.fmean(few.score(default).values()), abs=1e-9)
+    with pytest.raises(tune.StudyMismatchError):   # the same study on every example
+        baselines.tune_baseline(full, "surgery", storage, "few", 3, startup_trials=2)
+
+    # stages/tune.py takes the fidelity from params.yaml and trains the dev-best on every example for test
+    reduced = dict(params, tune={**params["tune"], "trial_examples_per_task": 12})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(reduced, sort_keys=False))
+    monkeypatch.chdir(project)
+    tune_stage.main(["--params", str(tmp_path / "params.yaml"), "--method", "surgery", "--storage", storage,
+                     "--study-name", "few", "--n-trials", "2", "--summary", str(tmp_path / "few.json"), "--score-test"])
+    written = json.loads((tmp_path / "few.json").read_text())
+    assert written["ran_now"] == 0 and written["trial_examples_per_task"] == 12
+    config = baselines.best_config(outcome, "surgery")
+    dev = full.score(full.train(config))
+    assert written["rescored_dev"]["dev"] == round(sum(dev.values()) / len(dev), 6)
+    assert dev != few.score(few.train(config))   # (so the check above tells the two trainings apart)
+
+
 @pytest.mark.slow(10)
 def test_a_baseline_study_tunes_surgery_on_dev_by_the_same_protocol_then_reads_test_once(project, monkeypatch):
     """`stages/tune.py --method surgery`: the same problem as FeatCal's study (merged model, calibration

@@ -2,7 +2,8 @@
 
 `BaselineProblem` takes a `TuneProblem` (the merged model, the experts, the calibration batches and
 the dev splits with calibration look-alikes removed) and caches, per task, the representation f_M
-the head reads in the merged model and in the expert, on the calibration examples FeatCal reads. A
+the head reads in the merged model and in the expert, on the calibration examples FeatCal reads
+(or, in a reduced-fidelity study, on each task's first N of them, as FeatCal's trials are). A
 trial trains every task's module from those with the trial's knobs and scores the deployed form
 (merged backbone + module + the expert's head) on dev. `tune_baseline` runs one Optuna study per
 method with `featcal.tuning.study.run_trials`: seeded TPE, resumable, the papers' defaults first.
@@ -11,6 +12,7 @@ method with `featcal.tuning.study.run_trials`: seeded TPE, resumable, the papers
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass, replace
 from typing import Mapping
 
@@ -64,11 +66,14 @@ def default_config(kind: str) -> SurgeryConfig | ProbSurgeryConfig:
 class BaselineProblem:
     """The cached representations and the deployed form's scorers, built once from a `TuneProblem`."""
 
-    def __init__(self, problem: TuneProblem):
+    def __init__(self, problem: TuneProblem, examples_per_task: int | None = None):
         self.problem = problem
+        self.examples_per_task = examples_per_task
+        # every calibration example, or each task's first N (a reduced-fidelity study's trials)
+        self.batches = problem.calibration_batches(examples_per_task)
         self.dev = problem.dev
         self.encoder = problem.encoder
-        self.expert_feats = {t: representations(problem.experts[t], problem.batches[t]) for t in problem.dev}
+        self.expert_feats = {t: representations(problem.experts[t], self.batches[t]) for t in problem.dev}
         self._merged: nn.Module | None = None
         self.use_merged(problem.merged)
 
@@ -81,8 +86,13 @@ class BaselineProblem:
         # each task's model with the merged backbone (the expert's head)
         self.merged_models = {t: with_backbone_assigned(copy.deepcopy(problem.experts[t]).eval(), merged)
                               for t in problem.dev}
-        self.merged_feats = {t: representations(self.merged_models[t], problem.batches[t]) for t in problem.dev}
+        self.merged_feats = {t: representations(self.merged_models[t], self.batches[t]) for t in problem.dev}
         self._merged = merged
+
+    def on_every_example(self) -> BaselineProblem:
+        """This problem on every calibration example: what leaves a reduced-fidelity study (the best
+        configuration, trained for test) is trained there, as FeatCal's best is calibrated on all."""
+        return self if self.examples_per_task is None else BaselineProblem(self.problem)
 
     def train(self, config: SurgeryConfig | ProbSurgeryConfig) -> dict[str, nn.Module]:
         trainer = train_surgery if isinstance(config, SurgeryConfig) else train_probsurgery
@@ -103,9 +113,11 @@ def tune_baseline(problem: BaselineProblem, kind: str, storage: str, study_name:
                   seed: int = 0, startup_trials: int = 8, anchor: AnchorSearch | None = None) -> TuneOutcome:
     """Bring the study `study_name` up to `n_trials` trials of `kind` (surgery | probsurgery), the
     paper's defaults tried first; each trial's dev accuracy per task is kept (`dev`). With `anchor`,
-    each trial also merges with its own anchor values (`featcal.tuning.objective.AnchorSearch`)."""
+    each trial also merges with its own anchor values (`featcal.tuning.objective.AnchorSearch`).
+    A study holds trials of one fidelity (`problem.examples_per_task`, in its fingerprint)."""
     base = default_config(kind)
     space = SPACES[kind]
+    examples = "all" if problem.examples_per_task is None else problem.examples_per_task
 
     def objective(trial: Trial) -> float:
         config = replace(base, **{name: knob.suggest(trial, name) for name, knob in space.items()})
@@ -115,13 +127,16 @@ def tune_baseline(problem: BaselineProblem, kind: str, storage: str, study_name:
         trial.set_user_attr("dev", {t: round(v, 6) for t, v in dev.items()})
         return sum(dev.values()) / len(dev)
 
-    study = open_study(make_storage(storage), study_name)
+    fingerprint = hashlib.sha256(f"{kind} trial_examples_per_task={examples}".encode()).hexdigest()
+    study = open_study(make_storage(storage), study_name, fingerprint=fingerprint)
     existing = count_trials(study)
     enqueue = {name: getattr(base, name) for name in space}
     ran = run_trials(study, objective, n_trials, seed=seed, startup_trials=startup_trials,
                      enqueue={**enqueue, **anchor.defaults()} if anchor is not None else enqueue)
     summary = summarize(study)
     summary.update({"method": kind, "storage": redacted(storage), "target": n_trials, "ran_now": len(ran)})
+    if problem.examples_per_task is not None:
+        summary["trial_examples_per_task"] = problem.examples_per_task
     return TuneOutcome(study, ran, existing, summary)
 
 
