@@ -5,9 +5,11 @@ Runs the tuning protocol's Task Arithmetic studies afresh, one after the other i
 each into a temporary study file and output folder of its own; the anchor's merge folder under
 work/anchors is reused), each as the project's params configure it (`tune.*`: the expert input
 cache, `trial_product_dtype`, `trial_examples_per_task`, pruning), `--trial-examples N|all`
-overriding `trial_examples_per_task` for the FeatCal study. Where that study's trials calibrate on
-fewer examples, a reference FeatCal study with every example runs too (`--no-reference`: not), so
-the best dev scores compare in one run. Prints each study's wall time, its best trial's dev score as
+overriding `trial_examples_per_task` for the FeatCal study and the Surgery study alike (the same
+saving reaches both, so the comparison stays fair), `--trial-product-dtype float32` the FeatCal
+trials' products. Where the FeatCal study's trials calibrate on fewer examples or in float32, a
+reference FeatCal study with every example in float64 runs too (`--no-reference`: not), so the best
+dev scores compare in one run. Prints each study's wall time, its best trial's dev score as
 the trial scored it and as the deployed model (calibrated on every example) scores it, that model's
 test score, and FeatCal ÷ Surgery; the figures go to results/bench.json
 (`featcal_study_over_surgery_study`, `study_best_dev`: the deployed dev score, and `study_cost`
@@ -16,7 +18,7 @@ time includes the anchor's merge where work/anchors does not hold it yet (second
 first (the experts' cached features). Run on an otherwise idle machine (24 trials each: ~25 min on
 the demo, ~15 min more with the reference):
 
-    python bench/study_cost.py [--n-trials 24] [--trial-examples 64] [--no-reference]
+    python bench/study_cost.py [--n-trials 24] [--trial-examples 64] [--trial-product-dtype float32] [--no-reference]
 """
 
 from __future__ import annotations
@@ -66,29 +68,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-trials", type=int, default=24, help="trials per study (the comparison's protocol: 24)")
     parser.add_argument("--trial-examples", type=examples_or_all, metavar="N|all",
-                        help="the FeatCal study's tune.trial_examples_per_task (default: params.yaml's)")
+                        help="the FeatCal and Surgery studies' tune.trial_examples_per_task (default: params.yaml's)")
+    parser.add_argument("--trial-product-dtype", choices=["float32", "float64"],
+                        help="the FeatCal study's tune.trial_product_dtype (default: params.yaml's)")
     parser.add_argument("--no-reference", action="store_true",
                         help="no FeatCal study on every example beside one on fewer")
     parser.add_argument("--out", default=str(ROOT / "results" / "bench.json"))
     args = parser.parse_args()
-    fewer = args.trial_examples or get(load_params(ROOT / "params.yaml"), "tune.trial_examples_per_task", None)
-    runs = {"featcal": ("featcal", ["--trial-examples-per-task", str(args.trial_examples)] if args.trial_examples else [])}
-    if fewer not in (None, "all") and not args.no_reference:
-        runs["featcal_all_examples"] = ("featcal", ["--trial-examples-per-task", "all"])
-    runs["surgery"] = ("surgery", [])
+    params = load_params(ROOT / "params.yaml")
+    fewer = args.trial_examples or get(params, "tune.trial_examples_per_task", None)
+    dtype = args.trial_product_dtype or get(params, "tune.trial_product_dtype", None)
+    fidelity = ["--trial-examples-per-task", str(args.trial_examples)] if args.trial_examples else []
+    precision = ["--trial-product-dtype", args.trial_product_dtype] if args.trial_product_dtype else []
+    runs = {"featcal": ("featcal", fidelity + precision)}
+    if (fewer not in (None, "all") or dtype == "float32") and not args.no_reference:
+        runs["featcal_all_examples"] = ("featcal", ["--trial-examples-per-task", "all", "--trial-product-dtype", "float64"])
+    runs["surgery"] = ("surgery", fidelity)
     with tempfile.TemporaryDirectory(prefix="featcal-study-cost-") as tmp:
         studies = {name: run_study(method, args.n_trials, Path(tmp) / name, extra)
                    for name, (method, extra) in runs.items()}
     ratio = round(studies["featcal"]["wall_s"] / studies["surgery"]["wall_s"], 3)
     for name, s in studies.items():
         examples = s["trial_examples_per_task"] or "all"
-        print(f"{name:20s} {args.n_trials} trials ({examples} examples a task): {s['wall_s']:8.1f} s; best trial "
+        print(f"{name:20s} {args.n_trials} trials ({examples} examples a task, {s['trial_product_dtype'] or 'float64'} "
+              f"products): {s['wall_s']:8.1f} s; best trial "
               f"{s['best_trial']}: dev {100 * s['best_dev_as_trial']:.2f} as the trial scored it, "
               f"{100 * s['best_dev']:.2f} deployed; test {100 * s['best_test']:.2f}")
     print(f"featcal_study_over_surgery_study {ratio} ({verdict(ratio, GOAL)})")
     if "featcal_all_examples" in studies:
         drop = round(100 * (studies["featcal_all_examples"]["best_dev"] - studies["featcal"]["best_dev"]), 2)
-        print(f"best dev (deployed), trials on every example - on {fewer} a task: {drop} points "
+        print(f"best dev (deployed), trials on every example in float64 - on {fewer or 'all'} a task in "
+              f"{dtype or 'float64'}: {drop} points "
               f"({verdict(drop, DEV_DROP_GOAL)})")
     merge_json(Path(args.out), {
         "featcal_study_over_surgery_study": ratio, "study_best_dev": studies["featcal"]["best_dev"],

@@ -234,6 +234,9 @@ def main() -> None:
     parser.add_argument("--trial-examples-per-task", type=examples_or_all, metavar="N|all",
                         help="tune.trial_examples_per_task for these studies: each trial calibrates on each task's "
                              "first N calibration examples (all: every example); default: params.yaml's")
+    parser.add_argument("--trial-product-dtype", choices=["float32", "float64"],
+                        help="tune.trial_product_dtype for these studies: the trials' moment products (the best is "
+                             "calibrated again with featcal.product_dtype); default: params.yaml's")
     parser.add_argument("--experts", default="experts", help="folder of the experts")
     parser.add_argument("--features", default="features/experts", help="the experts' cached calibration features")
     parser.add_argument("--out", default="results/dev_tuning", help="where <anchor>_<method>.json are written")
@@ -263,6 +266,8 @@ def main() -> None:
     if args.trial_examples_per_task is not None:
         local["tune"]["trial_examples_per_task"] = None if args.trial_examples_per_task == "all" \
             else args.trial_examples_per_task
+    if args.trial_product_dtype is not None:
+        local["tune"]["trial_product_dtype"] = args.trial_product_dtype
     name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
     folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work, args.variant)
     params_file = folder / (f"params-{args.variant}.yaml" if args.variant else "params.yaml")
