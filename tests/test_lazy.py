@@ -49,6 +49,27 @@ def test_sharded_checkpoint_has_several_files_and_is_read_by_name(setup):
         CheckpointReader(setup["root"] / "a" / "..")
 
 
+def file_maps(path) -> int:
+    """How many memory maps of `path` this process holds (Linux /proc)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if line.rstrip().endswith(str(path)))
+
+
+def test_each_tensor_read_has_its_own_file_map_so_releasing_some_frees_them(setup):
+    """The tensors one safetensors opening gives share one map of the file, kept while any of them
+    lives: a backbone that lets go of some parameters of a block (an expert's linear weights after
+    its task is folded in, the base's after the first) would free none of them. Each is read alone."""
+    reader = CheckpointReader(setup["dirs"]["a"])
+    file = reader.files[0].resolve()
+    names = ["bert.encoder.layer.0.output.dense.weight", "bert.encoder.layer.0.output.dense.bias"]
+    before = file_maps(file)
+    tensors = reader.read(names)
+    assert file_maps(file) == before + 2
+    del tensors[names[0]]
+    assert file_maps(file) == before + 1
+    assert torch.equal(tensors[names[1]], setup["experts"]["a"].state_dict()[names[1]])
+
+
 def test_calibrate_lazy_equals_calibrate_with_experts_loaded_whole(setup):
     config = FeatCalConfig(calibrate_pooler=True)
     batches = batches_for("abc")

@@ -78,7 +78,23 @@ def saved_mistral(tmp_path_factory):
     return saved_causal_lm(tmp_path_factory, "mistral")
 
 
-ENTRY_POINT_CASES = ["saved", "saved_t5", "saved_mpnet", "saved_qwen2", "saved_mistral"]
+def few_rows(saved: dict) -> dict:
+    """The same models on 17 rows a task (one batch of 3, two rows padded): fewer than half the FFN's
+    48-wide down projection input, so its W_e G comes from rows (`LinearMoments.projected_gram`)."""
+    return {**saved, "batches": batches_for(saved["experts"], n_batches=1, bs=3)}
+
+
+@pytest.fixture(scope="module")
+def saved_few_rows(saved):
+    return few_rows(saved)
+
+
+@pytest.fixture(scope="module")
+def saved_qwen2_few_rows(saved_qwen2):
+    return few_rows(saved_qwen2)
+
+
+ENTRY_POINT_CASES = ["saved", "saved_t5", "saved_mpnet", "saved_qwen2", "saved_mistral", "saved_qwen2_few_rows"]
 
 
 def chain(saved, config, fmt=StoreFormat("float32"), merged_dir=None, work=None):
@@ -132,7 +148,8 @@ def test_every_entry_point_gives_bit_identical_weights(request, case):
                           "decoder.block.1.layer.1.EncDecAttention.v.weight"],
              "saved_mpnet": ["encoder.layer.2.attention.attn.q.weight", "encoder.layer.1.output.dense.weight"],
              "saved_qwen2": ["layers.2.self_attn.q_proj.bias", "layers.1.mlp.down_proj.weight"],
-             "saved_mistral": ["layers.2.self_attn.k_proj.weight", "layers.0.post_attention_layernorm.weight"]}[case]
+             "saved_mistral": ["layers.2.self_attn.k_proj.weight", "layers.0.post_attention_layernorm.weight"],
+             "saved_qwen2_few_rows": ["layers.1.mlp.down_proj.weight", "layers.2.self_attn.v_proj.weight"]}[case]
     for name in moved:
         assert not torch.equal(reference[name], merged_state[name]), name
     if case == "saved_t5":   # the decoder's stored states carry the encoder output they cross-attend to
@@ -221,10 +238,13 @@ def hooked_inputs(model, module_name, batches):
     return torch.cat([x[m] for x, m in zip(rows, masks)]).double()
 
 
+@pytest.mark.parametrize("case", ["saved", "saved_few_rows"])
 @pytest.mark.parametrize("name", ["attention.output.dense", "output.dense"])
-def test_block_statistics_and_solution_equal_an_independent_weighted_least_squares(saved, name):
+def test_block_statistics_and_solution_equal_an_independent_weighted_least_squares(request, case, name):
     """Block 0 (not the last: every token weighs 1). `output.dense` narrows (out < in), so the walk
-    keeps its cross projected through the expert weight, W_e K, instead of K."""
+    keeps its cross projected through the expert weight, W_e K, instead of K; on few rows
+    (`saved_few_rows`: 17 a task, its input 48 wide) its W_e G comes from rows as well."""
+    saved = request.getfixturevalue(case)
     base, experts, merged, batches = saved["base"], saved["experts"], saved["merged"], saved["batches"]
     alpha, rho, ridge = 0.3, 1.8, 0.05
     config = FeatCalConfig(alpha=alpha, rho=rho, ridge=ridge, product_dtype="float64")
@@ -251,7 +271,13 @@ def test_block_statistics_and_solution_equal_an_independent_weighted_least_squar
         if w_i.shape[0] < w_i.shape[1]:
             assert m.cross is None
             assert torch.allclose(m.projected_cross / m.count, w_i @ cross, rtol=1e-10, atol=1e-12), task
+            if case == "saved_few_rows":
+                assert 2 * n < w_i.shape[1]
+                assert torch.allclose(m.projected_gram / m.count, w_i @ gram, rtol=1e-10, atol=1e-12), task
+            else:
+                assert m.projected_gram is None
         else:
+            assert m.projected_gram is None
             assert m.projected_cross is None
             assert torch.allclose(m.cross_mean, cross, rtol=1e-10, atol=1e-12), task
         omegas[task] = 1.0 / torch.linalg.matrix_norm(gram)

@@ -177,10 +177,12 @@ def accumulate_block_moments(
     weighted: bool,
     pooled_token_weight: float,
     product_dtype: torch.dtype = torch.float64,
+    expert_weights: Mapping[str, Tensor] | None = None,
 ) -> None:
     """Add one batch's rows to each module's moments (one task).
 
     `expert_inputs` holds, for each module that `projects_cross`, the expert's W x rows too.
+    `expert_weights`: the expert's W_e of the modules whose W_e G is formed from rows (`row_space`).
     """
     shared: dict[tuple, LinearMoments] = {}
     for name, module in modules.items():
@@ -195,19 +197,25 @@ def accumulate_block_moments(
             if projected is None and key in shared:  # q/k/v read the same input: reuse the batch sums
                 m.merge(shared[key])
                 continue
-            into = None
-            if projected is not None and w is None:   # a wide module's Gram grows in place (no batch copy)
-                if m.student_gram is None:
-                    m.student_gram = torch.zeros(xs.shape[1], xs.shape[1], dtype=torch.float64, device=xs.device)
-                into = m.student_gram
-            batch = LinearMoments.of_rows(xs, real_rows(expert_inputs[name], rows), w,
-                                          None if projected is None else real_rows(projected, rows), product_dtype,
-                                          gram_into=into)
-            if projected is None:
-                shared[key] = batch
+            xe = real_rows(expert_inputs[name], rows)
+            if projected is not None:   # a wide module's sums grow in place (no batch copies)
+                m.add_projected(xs, xe, real_rows(projected, rows), w, product_dtype, (expert_weights or {}).get(name))
+                continue
+            batch = shared[key] = LinearMoments.of_rows(xs, xe, w, None, product_dtype)
             m.merge(batch)
         else:
             moments.setdefault(name, NormMoments()).add(normalised(module, xs), w)
+
+
+def row_space(family: Family, modules: Mapping[str, nn.Module], streams: Mapping[str, Sequence[Stream]]) -> set[str]:
+    """The narrowing modules whose W_e G comes from rows (`LinearMoments.projected_gram`): where every
+    task has fewer rows than half the module's input width, 2·n·out·in products beat out·in² (a 1.5B
+    decoder's down projection on ~2,000 tokens a task: 5.5e10 against 1.2e11 a task)."""
+    wide = [name for name, module in modules.items() if projects_cross(module)]
+    # the largest task decides for every task: one set of moment fields per module
+    rows = {name: max((sum(int(family.row_mask(name, s).sum()) for s in ss) for ss in streams.values()), default=0)
+            for name in wide}
+    return {name for name, n in rows.items() if 0 < 2 * n < modules[name].in_features}
 
 
 def real_rows(x: Tensor, rows: Tensor) -> Tensor:
@@ -334,6 +342,11 @@ def fold_task(
     return outputs
 
 
+def linear_weights(backbone: nn.Module, modules: Mapping[str, nn.Module]) -> list[str]:
+    """The backbone's parameter names of the linear modules' weights among `modules`."""
+    return [module_prefix(backbone, m) + "weight" for m in modules.values() if module_kind(m) == "linear"]
+
+
 def gram_and_target(moments: LinearMoments, expert_weight: Tensor, alpha: float,
                     consume: bool = False) -> tuple[Tensor, Tensor]:
     """(G_i, W_i C_i) of one task, G_i formed once. `consume`: G_i is formed in the Gram sum's own
@@ -342,8 +355,8 @@ def gram_and_target(moments: LinearMoments, expert_weight: Tensor, alpha: float,
         gram = moments.gram
         return gram, moments.target_product(expert_weight, alpha, gram)
     gram = moments.student_gram.div_(moments.count)
-    target = moments.target_product(expert_weight, alpha, gram)
-    moments.student_gram = moments.cross = moments.projected_cross = None
+    target = moments.target_product(expert_weight, alpha, gram, consume=True)
+    moments.student_gram = moments.cross = moments.projected_cross = moments.projected_gram = None
     return gram, target
 
 
@@ -420,6 +433,7 @@ def calibrate_block(
     expert_inputs: ExpertInputCache | None = None,
     keep_moments: bool = True,
     release_expert: Callable[[str, list[str]], None] | None = None,
+    release_base: Callable[[list[str]], None] | None = None,
 ) -> BlockResult:
     """Calibrate block `index` of the student backbone in place, and advance both streams.
 
@@ -437,7 +451,8 @@ def calibrate_block(
     uses up the linear modules' d × d sums (`solve_modules`' `consume`) and the result holds no moments;
     in one process (no `reduce_moments`) each task is folded into the systems once its rows are in,
     and `release_expert(task, names)` is then told that expert's linear weights in this block are done
-    with (a lazy provider frees them: one expert's block held at a time, not every expert's).
+    with (a lazy provider frees them: one expert's block held at a time, not every expert's), and
+    `release_base(names)` the base's once every system holds its anchor (after the first task).
     """
     cached = None if expert_inputs is None else expert_inputs.get(index, config.products)
     if expert_inputs is not None and measure_drift:
@@ -453,6 +468,8 @@ def calibrate_block(
     systems: dict[str, solve.NormalEquations] = {}
     expert_outputs: dict[str, dict[str, Tensor]] = {}
     projected = [name for name, module in modules.items() if projects_cross(module)]
+    # data-parallel processes see their own rows only: each would choose its own moment fields
+    from_rows = row_space(family, modules, student_streams) if reduce_moments is None else set()
     expert_next: dict[str, list[Stream]] = {}
     captured: dict[str, list[dict[str, Tensor]]] = {}
     for task, streams in student_streams.items():
@@ -482,7 +499,7 @@ def calibrate_block(
                         captured.setdefault(task, []).append(xe)
             with phase("moments"):
                 accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight,
-                                         config.products)
+                                         config.products, {n: expert_modules[task][n].weight for n in from_rows})
         for name in modules:
             if name in per_task:
                 moments[name][task] = per_task[name]
@@ -492,8 +509,12 @@ def calibrate_block(
             for name, output in formed.items():
                 expert_outputs.setdefault(name, {})[task] = output
             if release_expert is not None:
-                release_expert(task, [module_prefix(expert_backbones[task], m) + "weight"
-                                      for m in expert_modules[task].values() if module_kind(m) == "linear"])
+                release_expert(task, linear_weights(expert_backbones[task], expert_modules[task]))
+            if release_base is not None and all(n in systems for n, m in modules.items() if module_kind(m) == "linear"):
+                release_base(linear_weights(base_backbone, base_modules))   # each system holds λ W_anc: the
+                release_base = None                                          # bias and norm anchors stay
+            if release_memory:   # the task's used-up sums out of the RSS the next task's sums add to
+                trim_heap()
     if expert_inputs is not None and cached is None:
         expert_inputs.put(index, config.products, captured)
     if reduce_moments is not None:

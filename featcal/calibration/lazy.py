@@ -69,6 +69,11 @@ class LazyWeights:
         """Back to the meta device before the block's context ends (which releases them again: a no-op)."""
         self.experts[task].release(names)
 
+    def release_base(self, names: Sequence[str]) -> None:
+        """The same for the base's."""
+        if self.base is not None:
+            self.base.release(names)
+
     def pooler(self):
         where = [module_prefix(self.like, self.family.pooler(self.like))]
         return self._loaded(where, where)

@@ -68,6 +68,9 @@ class BlockWeights(Protocol):
         """Expert `task`'s named parameters are not read again in this step (a provider that reads
         them per block may free them now)."""
 
+    def release_base(self, names: Sequence[str]) -> None:
+        """The same for the base's named parameters."""
+
 
 @dataclass
 class ModuleWeights:
@@ -80,6 +83,9 @@ class ModuleWeights:
         return contextlib.nullcontext((self.base, self.experts))
 
     def release_expert(self, task: str, names: Sequence[str]) -> None:
+        """Held whole for the walk: nothing is freed."""
+
+    def release_base(self, names: Sequence[str]) -> None:
         """Held whole for the walk: nothing is freed."""
 
     def pooler(self) -> ContextManager[tuple[nn.Module, dict[str, nn.Module]]]:
@@ -262,7 +268,7 @@ def walk(
                 family, index, student, base_bb, expert_bbs, out.student, expert_in, config,
                 last=index == n_blocks - 1, reduce_moments=reduce_moments, reduce_sums=reduce_sums,
                 release_memory=release_memory, measure_drift=measure_drift, expert_inputs=expert_inputs,
-                keep_moments=keep_moments, release_expert=weights.release_expert,
+                keep_moments=keep_moments, release_expert=weights.release_expert, release_base=weights.release_base,
             )
         if on_block is not None:
             on_block(index, result)

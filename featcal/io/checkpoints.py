@@ -176,20 +176,17 @@ class CheckpointReader:
             raise KeyError(f"{self.path}: no tensor {name!r} in the checkpoint") from None
 
     def read(self, names: Iterable[str], rows: slice | None = None) -> dict[str, Tensor]:
-        """The named tensors; each file is opened once for this call and closed after. `rows`: only
-        those rows (first dimension) of each, read without the rest of the tensor."""
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        names = list(names)
-        for name in names:
-            by_file[self._file(name)].append(name)
+        """The named tensors. `rows`: only those rows (first dimension) of each, read without the rest
+        of the tensor. Each tensor is read through its own opening of its file: the tensors one opening
+        gives share one memory map of the file, which stays (and its touched pages in the RSS) while any
+        of them lives, so a caller that lets go of some (`LazyBackbone.release`) would free nothing."""
         out: dict[str, Tensor] = {}
-        for file, file_names in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for name in file_names:
-                    out[name] = f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
-                    if name in self.replaced:
-                        out[name] = out[name].to(self.replaced[name])
-        return {name: out[name] for name in names}
+        for name in names:
+            with safe_open(self._file(name), framework="pt") as f:
+                out[name] = f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
+            if name in self.replaced:
+                out[name] = out[name].to(self.replaced[name])
+        return out
 
     def groups(self) -> list[list[str]]:
         """The tensor names in natural order, by tensor group (`block_group`: one block, or one other tensor)."""
