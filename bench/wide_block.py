@@ -116,10 +116,11 @@ def in_subprocess(code: Path, work: Path, out: Path) -> dict:
 
 
 def max_rel_diff(a: Path, b: Path) -> float:
+    """`calibration_cost.max_relative_difference` of two steps' saved parameters (b the reference)."""
     from safetensors.torch import load_file
-    x, y = load_file(str(a)), load_file(str(b))
-    return max(float((x[k].double() - y[k].double()).abs().max() / y[k].double().abs().max().clamp_min(1e-30))
-               for k in y)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from calibration_cost import max_relative_difference
+    return max_relative_difference(load_file(str(a)), load_file(str(b)))[0]
 
 
 def main() -> None:

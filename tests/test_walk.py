@@ -14,7 +14,7 @@ from featcal.calibration.walk import calibrate
 from featcal.families import family_for
 from featcal.families.llama import LLAMA_CAUSAL_LM
 from featcal.calibration.layerwise import calibrate_cached_layer, collect_expert_layers
-from featcal.calibration.lazy import calibrate_lazy
+from featcal.calibration.lazy import calibrate_lazy, LazyWeights
 from featcal.merging.lazy import lazy_merge
 from featcal.io.feature_store import StoreFormat, read_group, write_group
 from featcal.tuning import TuneProblem
@@ -176,6 +176,30 @@ def test_a_lazily_merged_decoder_is_walked_as_the_causal_lm_it_was_merged_from(r
     assert any(name.startswith(last) for name in per_layer)
     for name in per_layer:
         assert torch.equal(per_layer[name], reference[name]), name
+
+
+def test_a_stage_lets_go_of_each_experts_and_the_bases_linear_weights_once_they_are_folded_in(saved_qwen2, monkeypatch):
+    """A calibrate-layer step (no moments kept) folds each task into the normal equations once its rows
+    are in; then it releases that expert's linear weights, and after the first task the base's too
+    (each system holds λ W_anc by then; biases and norms stay for their anchors)."""
+    released = []
+    release_base, release_expert = LazyWeights.release_base, LazyWeights.release_expert
+
+    def base(self, names):
+        released.append(("base", tuple(names)))
+        release_base(self, names)
+        assert all(self.base.module.get_parameter(n).device.type == "meta" for n in names)
+
+    def expert(self, task, names):
+        released.append((task, tuple(names)))
+        release_expert(self, task, names)
+
+    monkeypatch.setattr(LazyWeights, "release_base", base)
+    monkeypatch.setattr(LazyWeights, "release_expert", expert)
+    chain(saved_qwen2, FeatCalConfig())
+    assert [who for who, _ in released] == ["a", "base", "b"] * 3   # three blocks
+    names = {n for _, ns in released for n in ns}
+    assert all(n.endswith("_proj.weight") for n in names) and "layers.2.mlp.down_proj.weight" in names
 
 
 @pytest.mark.parametrize("case", ["saved", "saved_t5", "saved_mpnet"])

@@ -31,6 +31,18 @@ def _row_weights(weights: Tensor | None, n: int, device: torch.device | None = N
     return weights.reshape(-1).to(device=device, dtype=torch.float64)
 
 
+def _weighed_rows(student: Tensor, expert: Tensor, weights: Tensor | None, dtype: torch.dtype):
+    """A batch's student and expert rows in `dtype`, their count (Σw: a host scalar) and the row weighing."""
+    xs, xe = _rows(student, dtype), _rows(expert, dtype)
+    if xs.shape != xe.shape:
+        raise ValueError(f"student rows {tuple(xs.shape)} and expert rows {tuple(xe.shape)} differ")
+    if weights is None:
+        return xs, xe, host_count(xs.shape[0]), (lambda x: x)
+    w = _row_weights(weights, xs.shape[0], xs.device)
+    count, w = w.sum().cpu(), w.to(dtype)[:, None]   # counts stay on the host
+    return xs, xe, count, (lambda x: x * w)
+
+
 def gram_of(x: Tensor, block: int = 512, into: Tensor | None = None) -> Tensor:
     """xᵀx for rows x ([n, d]): for wide d, only the k(k+1)/2 column blocks on and above the diagonal
     are multiplied (the product is symmetric): (k+1)/(2k) of the work, 2/3 at d = 3·block.
@@ -116,14 +128,7 @@ class LinearMoments:
     ) -> "LinearMoments":
         """One batch's sums, formed in `product_dtype` (merge them into float64 running sums):
         float32 products of one batch lose ~1e-7 relative; the running sums lose nothing more."""
-        xs, xe = _rows(student, product_dtype), _rows(expert, product_dtype)
-        if xs.shape != xe.shape:
-            raise ValueError(f"student rows {tuple(xs.shape)} and expert rows {tuple(xe.shape)} differ")
-        count = host_count(xs.shape[0])
-        if weights is not None:
-            w = _row_weights(weights, xs.shape[0], xs.device)
-            count, w = w.sum().cpu(), w.to(product_dtype)[:, None]   # counts stay on the host
-        weigh = (lambda x: x) if weights is None else (lambda x: x * w)
+        xs, xe, count, weigh = _weighed_rows(student, expert, weights, product_dtype)
         xs_w, xe_w = weigh(xs), weigh(xe)
         if expert_projected is None:
             cross, projected = xe_w.T @ xs, None
@@ -145,31 +150,25 @@ class LinearMoments:
         every sum grown in place: no batch-sized copy of the in × in Gram or the out × in sums beside
         the running ones (0.1 GB each for a 1.5B decoder's down projection), nor a float64 copy of
         W_e. `expert_weight` (W_e, out × in): Σw (W_e x_s) x_sᵀ (`projected_gram`) is kept too."""
-        xs, xe = _rows(student, product_dtype), _rows(expert, product_dtype)
-        if xs.shape != xe.shape:
-            raise ValueError(f"student rows {tuple(xs.shape)} and expert rows {tuple(xe.shape)} differ")
+        xs, xe, count, weigh = _weighed_rows(student, expert, weights, product_dtype)
         pe = _rows(expert_projected, product_dtype)
-        count, w = host_count(xs.shape[0]), None
-        if weights is not None:
-            w = _row_weights(weights, xs.shape[0], xs.device)
-            count, w = w.sum().cpu(), w.to(product_dtype)[:, None]
-        weigh = (lambda x: x) if w is None else (lambda x: x * w)
         d, out = xs.shape[1], pe.shape[1]
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=xs.device)   # noqa: E731
-        for name, shape in (("student_gram", (d, d)), ("projected_cross", (out, d)), ("student_sum", (d,)),
-                            ("expert_sum", (d,))) + ((("projected_gram", (out, d)),) if expert_weight is not None else ()):
+        shapes = {"student_gram": (d, d), "projected_cross": (out, d), "student_sum": (d,), "expert_sum": (d,)}
+        if expert_weight is not None:
+            shapes["projected_gram"] = (out, d)
+        for name, shape in shapes.items():
             if getattr(self, name) is None:
-                setattr(self, name, zeros(*shape))
+                setattr(self, name, torch.zeros(shape, dtype=torch.float64, device=xs.device))
         self.count = self.count + count
-        if w is None:
+        if weights is None:
             gram_of(xs, into=self.student_gram)
         else:
             self.student_gram.add_(weigh(xs).T @ xs)
         add_product(self.projected_cross, weigh(pe), xs)
         if expert_weight is not None:
             for i in range(0, out, PRODUCT_CHUNK):   # W_e x_s a slice of W_e's rows at a time
-                rows = weigh(xs @ expert_weight[i:i + PRODUCT_CHUNK].to(device=xs.device, dtype=product_dtype).T)
-                self.projected_gram[i:i + PRODUCT_CHUNK].add_(rows.T @ xs)
+                slice_ = expert_weight[i:i + PRODUCT_CHUNK].detach().to(device=xs.device, dtype=product_dtype)
+                self.projected_gram[i:i + PRODUCT_CHUNK].add_(weigh(xs @ slice_.T).T @ xs)
         self.student_sum.add_(weigh(xs).sum(0))
         self.expert_sum.add_(weigh(xe).sum(0))
 
