@@ -61,7 +61,8 @@ def main() -> None:
     bench = cmp.load_workbench(get(params, "model.base"), {t: f"experts/{t}" for t in tasks}, get(params, "tasks_dir"),
                                {t: max_length(params, t) for t in tasks}, int(get(params, "seed")),
                                int(get(params, "calibration.batch_size")))
-    merged = cmp.merge(bench, get(params, "merge.method"), get(params, "merge.options"))
+    # merge_anchor: a data method's block in params.yaml holds its data options too (RegMean's examples_per_task)
+    merged, _ = cmp.merge_anchor(bench, get(params, "merge.method"), get(params, "merge.options") or {})
     batches = cmp.to_batches(bench, cmp.calibration_examples(bench, n))
     print(f"threads {torch.get_num_threads()}, {len(tasks)} tasks x {n} calibration examples, "
           f"merge {get(params, 'merge.method')}")
