@@ -29,6 +29,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 TASKS = ("news", "reviews", "code")
 
 
@@ -38,7 +39,6 @@ def build(work: Path, seed: int, vocab: int) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from featcal.calibration.layerwise import collect_expert_layers
-    from featcal.calibration.walk import stack_states
 
     torch.manual_seed(seed)
     cfg = AutoConfig.for_model("qwen2", vocab_size=vocab, hidden_size=1536, intermediate_size=8960,
@@ -94,7 +94,7 @@ def run_step(work: Path, out: Path) -> None:
                                        batches, None, states.__getitem__, config, keep_moments=False)
     wall = time.perf_counter() - start
     save_file({k: v.contiguous() for k, v in layer.parameters.items()}, str(out.with_suffix(".safetensors")))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
     import featcal
     out.write_text(json.dumps({"code": str(Path(featcal.__file__).parents[1]), "wall_s": round(wall, 2),
                                "peak_rss_mib": round(peak, 1),
@@ -118,7 +118,6 @@ def in_subprocess(code: Path, work: Path, out: Path) -> dict:
 def max_rel_diff(a: Path, b: Path) -> float:
     """`calibration_cost.max_relative_difference` of two steps' saved parameters (b the reference)."""
     from safetensors.torch import load_file
-    sys.path.insert(0, str(ROOT / "bench"))
     from calibration_cost import max_relative_difference
     return max_relative_difference(load_file(str(a)), load_file(str(b)))[0]
 

@@ -207,14 +207,15 @@ def accumulate_block_moments(
             moments.setdefault(name, NormMoments()).add(normalised(module, xs), w)
 
 
-def row_space(family: Family, modules: Mapping[str, nn.Module], streams: Mapping[str, Sequence[Stream]]) -> set[str]:
-    """The narrowing modules whose W_e G comes from rows (`LinearMoments.projected_gram`): where every
-    task has fewer rows than half the module's input width, 2·n·out·in products beat out·in² (a 1.5B
-    decoder's down projection on ~2,000 tokens a task: 5.5e10 against 1.2e11 a task)."""
-    wide = [name for name, module in modules.items() if projects_cross(module)]
+def row_space(family: Family, modules: Mapping[str, nn.Module], projected: Sequence[str],
+              streams: Mapping[str, Sequence[Stream]]) -> set[str]:
+    """The narrowing modules (`projected`: those that `projects_cross`) whose W_e G comes from rows
+    (`LinearMoments.projected_gram`): where every task has fewer rows than half the module's input
+    width, 2·n·out·in products beat out·in² (a 1.5B decoder's down projection on ~2,000 tokens a
+    task: 5.5e10 against 1.2e11 a task)."""
     # the largest task decides for every task: one set of moment fields per module
     rows = {name: max((sum(int(family.row_mask(name, s).sum()) for s in ss) for ss in streams.values()), default=0)
-            for name in wide}
+            for name in projected}
     return {name for name, n in rows.items() if 0 < 2 * n < modules[name].in_features}
 
 
@@ -469,7 +470,7 @@ def calibrate_block(
     expert_outputs: dict[str, dict[str, Tensor]] = {}
     projected = [name for name, module in modules.items() if projects_cross(module)]
     # data-parallel processes see their own rows only: each would choose its own moment fields
-    from_rows = row_space(family, modules, student_streams) if reduce_moments is None else set()
+    from_rows = row_space(family, modules, projected, student_streams) if reduce_moments is None else set()
     expert_next: dict[str, list[Stream]] = {}
     captured: dict[str, list[dict[str, Tensor]]] = {}
     for task, streams in student_streams.items():
@@ -482,6 +483,7 @@ def calibrate_block(
         if cached is not None and task not in cached:
             raise KeyError(f"block {index}: the expert input cache holds tasks {sorted(cached)}, not {task!r}")
         expert_batches = cached[task] if cached is not None else expert_streams.pop(task)
+        row_space_weights = {n: expert_modules[task][n].weight for n in from_rows}   # their W_e
         if len(expert_batches) != len(streams):
             source = "the expert input cache holds" if cached is not None else "the experts' streams hold"
             raise ValueError(f"block {index}: task {task!r} has {len(streams)} calibration batches; "
@@ -499,7 +501,7 @@ def calibrate_block(
                         captured.setdefault(task, []).append(xe)
             with phase("moments"):
                 accumulate_block_moments(family, modules, xs, xe, s, per_task, last, config.pooled_token_weight,
-                                         config.products, {n: expert_modules[task][n].weight for n in from_rows})
+                                         config.products, row_space_weights)
         for name in modules:
             if name in per_task:
                 moments[name][task] = per_task[name]

@@ -195,7 +195,8 @@ class LinearMoments:
         holds it already (it is not formed twice). `consume`: the sums are scaled in their own buffers
         (the same numbers), for a caller that lets them go."""
         mean = (lambda x: x.div_(self.count)) if consume else (lambda x: x / self.count)
-        gram = self.gram if gram is None else gram
+        if self.projected_gram is None and gram is None:   # G itself is needed (not where W_e G came from rows)
+            gram = self.gram
         if self.projected_cross is None:
             return weight_times(expert_weight, mean(self.cross).mul_(alpha).add_(gram, alpha=1.0 - alpha))
         wk = mean(self.projected_cross).mul_(alpha)
