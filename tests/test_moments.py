@@ -75,3 +75,41 @@ def test_blocked_gram_equals_the_plain_product():
     x = torch.randn(300, 1100, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     assert torch.allclose(gram_of(x, block=256), x.T @ x, rtol=1e-12, atol=1e-9)
     assert torch.equal(gram_of(x[:, :100], block=256), x[:, :100].T @ x[:, :100])   # narrow: one product
+
+
+def _plain_float32_sums(xs, xe, pe, w):
+    """What float32 products of uncentred rows give (the products before centring), for comparison."""
+    xs_w, pe_w = xs * w[:, None].float(), pe * w[:, None].float()
+    return {"student_gram": (xs_w.T @ xs).double(), "projected_cross": (pe_w.T @ xs).double()}
+
+
+def test_reduced_precision_products_centre_the_rows_and_keep_every_field_exact_to_float32_rounding():
+    """float32 products of rows far from zero round relative to |x|; of batch-centred rows relative to
+    |x − m|, the mean's terms added in float64. Both paths (`add`, `add_projected` with W_e x_s from rows)
+    hold the float64 path's fields to float32 rounding of the centred rows, several times closer than
+    uncentred float32 products."""
+    g = torch.Generator().manual_seed(4)
+    n, d, out = 400, 48, 12
+    xs = (torch.randn(n, d, generator=g) + 8.0 * torch.rand(d, generator=g)).float()   # large per-feature means
+    xe = (xs + 0.1 * torch.randn(n, d, generator=g)).float()
+    weight = torch.randn(out, d, generator=g)
+    pe = xe @ weight.T
+    w = torch.where(torch.rand(n, generator=g) < 0.2, 1.0, 0.3).double()
+    for weights in (None, w):
+        exact, fast = LinearMoments(), LinearMoments()
+        exact.add_projected(xs, xe, pe, weights, torch.float64, weight)
+        fast.add_projected(xs, xe, pe, weights, torch.float32, weight)
+        via_add = LinearMoments()
+        via_add.add(xs, xe, weights, pe, torch.float32)
+        ones = torch.ones(n, dtype=torch.float64) if weights is None else weights
+        plain = _plain_float32_sums(xs, xe, pe, ones)
+        for name, value in moments_to_arrays(exact).items():
+            err = float((moments_to_arrays(fast)[name] - value).abs().max() / value.abs().max())
+            assert err < 1e-6, (name, err)
+            if name in plain:
+                plain_err = float((plain[name] - value).abs().max() / value.abs().max())
+                assert err < plain_err / 4, (name, err, plain_err)
+            if name in moments_to_arrays(via_add):
+                assert torch.allclose(moments_to_arrays(via_add)[name], moments_to_arrays(fast)[name], rtol=1e-6,
+                                      atol=1e-6 * float(value.abs().max())), name
+        assert float(fast.count) == float(exact.count)
