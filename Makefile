@@ -161,7 +161,7 @@ bench: setup
 # calibration's (every model whole).
 .PHONY: bench-mpnet
 bench-mpnet: setup-mpnet
-	cd mpnet && $(CURDIR)/$(PY) ../bench/calibration_cost.py --out results/bench.json
+	cd mpnet && $(CURDIR)/$(PY) ../bench/calibration_cost.py --repeats 1 --out results/bench.json
 	$(PY) bench/alpha_rerun.py --project mpnet --rss-baseline in-process --runs warm
 
 # FeatCal's wall time and peak RSS against examples per task, number of tasks and hidden width
