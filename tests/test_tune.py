@@ -225,8 +225,9 @@ def test_a_reduced_precision_search_ranks_in_float32_and_its_best_is_calibrated_
 
 def test_a_reduced_fidelity_search_calibrates_trials_on_the_first_examples_and_its_best_on_all(project, tmp_path):
     """tune.trial_examples_per_task: N: each trial's walk reads each task's first N calibration examples
-    (and the experts' states and cached inputs of those only); the best trial's values are calibrated on
-    every example, as a fresh problem calibrates them; one study holds one fidelity."""
+    (and the experts' states and cached inputs of those only), with λ scaled to the whole sample's weight
+    against the data; the best trial's values are calibrated on every example, as a fresh problem
+    calibrates them; one study holds one fidelity."""
     params = yaml.safe_load((project / "params.yaml").read_text())
     problem = problem_of(project, params)
     base = FeatCalConfig.from_mapping({**params["featcal"], "product_dtype": "float64"})
@@ -242,8 +243,11 @@ def test_a_reduced_fidelity_search_calibrates_trials_on_the_first_examples_and_i
     states = cut._expert_states
     cut._expert_states = lambda layer: {k: v[:12] for k, v in states(layer).items()}
     assert [len(b["input_ids"]) for b in cut.batches["topic"]] == [8, 4]
-    few, alone = few.state_dict(), cut.calibrate(config).state_dict()
+    # the trial's λ is the whole sample's: on 12 of 24 examples the walk weighs 2λ against the rows' means
+    few, alone = few.state_dict(), cut.calibrate(dataclasses.replace(config, ridge=2 * config.ridge)).state_dict()
     assert all(torch.equal(few[n], alone[n]) for n in few)
+    unscaled = cut.calibrate(config).state_dict()
+    assert not all(torch.equal(few[n], unscaled[n]) for n in few)
     full = problem.calibrate(config).state_dict()   # after trials that filled the cache with 12 examples' inputs
     fresh = problem_of(project, params).calibrate(config).state_dict()
     assert all(torch.equal(full[n], fresh[n]) for n in full)

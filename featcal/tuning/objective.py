@@ -328,8 +328,17 @@ class TuneProblem:
                   merged: nn.Module | None = None, examples_per_task: int | None = None) -> nn.Module:
         """A calibrated copy of the merged backbone (or of `merged`, e.g. `merged_with`'s): the walk,
         with the experts' states from the cache; on each task's first `examples_per_task` calibration
-        examples only, where given (the experts' cached states are cut the same way)."""
+        examples only, where given (the experts' cached states are cut the same way).
+
+        `config`'s λ is the whole sample's: on fewer examples the walk uses λ·N/n (`ridge_scaled`). The
+        solve weighs λ against *means* over the rows, so on n of N examples an unscaled λ would weigh
+        N/n times as much against the data as it does on all of them, and a reduced-fidelity search
+        would rank its values for a sample it will not be calibrated on (on the demo, 32 of 128
+        examples: rank correlation with the full sample's dev scores −0.12 unscaled, 0.89 scaled)."""
         batches = self.calibration_batches(examples_per_task)
+        if examples_per_task is not None:
+            whole = sum(examples_in(b) for bs in self.batches.values() for b in bs)
+            config = ridge_scaled(config, whole / sum(examples_in(b) for bs in batches.values() for b in bs))
         backbone = copy.deepcopy(self.merged if merged is None else merged)
 
         def on_block(k: int, _result) -> None:
@@ -383,7 +392,7 @@ class TuneProblem:
             if anchor.data:
                 h.update(repr(sorted(anchor.data.items())).encode())
         if examples_per_task is not None:   # (a study on every example keeps the fingerprint it always had)
-            h.update(f"trial_examples_per_task={examples_per_task}".encode())
+            h.update(f"trial_examples_per_task={examples_per_task}; ridge scaled by N/n".encode())
         return h.hexdigest()
 
 
@@ -398,6 +407,13 @@ def hash_module(h, m: nn.Module) -> None:
     for name, value in sorted(m.state_dict().items()):
         h.update(name.encode())
         hash_tensor(h, value)
+
+
+def ridge_scaled(config: FeatCalConfig, factor: float) -> FeatCalConfig:
+    """`config` with λ, and every layer's λ override, times `factor`."""
+    overrides = {layer: {**values, "ridge": values["ridge"] * factor} if "ridge" in values else dict(values)
+                 for layer, values in config.layer_overrides.items()}
+    return dataclasses.replace(config, ridge=config.ridge * factor, layer_overrides=overrides)
 
 
 def examples_in(batch: Mapping[str, Tensor]) -> int:
