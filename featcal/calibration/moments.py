@@ -49,14 +49,16 @@ class _Centred:
 
     A float32 product of rows x sums terms of the size of |x|, and its rounding is relative to that;
     of rows x − m it is relative to |x − m|, while the mean's share (Σw m aᵀ and the like) is added
-    exactly in float64 (`_product_sum`). On the demo's down projections this takes float32 products
-    from 7.8e-5 to ~1.4e-5 of the float64 weights, at the cost of a subtraction per row.
+    exactly in float64 (`_product_sum`). On the demo at the dev-tuned λ this takes float32 products
+    from 7.8e-5 to 1.6e-5 of the float64 weights, at the cost of a subtraction per row.
     """
 
     rows: Tensor       # x − m, in the product dtype (m: the batch mean rounded to that dtype)
     weighed: Tensor    # w (x − m)
     mean: Tensor       # m, float64
-    deviation: Tensor  # Σ w (x − m), float64
+    deviation: Tensor  # Σ w (x − m), float64: what the products' mean terms need of the rows actually used
+    total: Tensor      # Σ w x, float64 (the moments' sum)
+    count: float       # Σ w
 
     @classmethod
     def of(cls, x: Tensor, weigh, count: Tensor) -> "_Centred":
@@ -65,10 +67,10 @@ class _Centred:
         mean = torch.where(n > 0, total / n.clamp_min(1e-300), torch.zeros_like(total)).to(x.dtype)
         rows = x - mean
         weighed = weigh(rows)
-        return cls(rows, weighed, mean.to(torch.float64), weighed.sum(0, dtype=torch.float64))
+        return cls(rows, weighed, mean.to(torch.float64), weighed.sum(0, dtype=torch.float64), total, float(count))
 
 
-def _product_sum(a: _Centred, b: _Centred, count: Tensor, into: Tensor | None = None, gram: bool = False) -> Tensor:
+def _product_sum(a: _Centred, b: _Centred, into: Tensor | None = None, gram: bool = False) -> Tensor:
     """Σ w a bᵀ in float64 from centred rows: (w(a − m_a))ᵀ(b − m_b) in their dtype, plus
     Σw(a − m_a) m_bᵀ + m_a Σw(b − m_b)ᵀ + Σw m_a m_bᵀ in float64. `into`: a running float64 sum the
     product is added to in place (no out × in buffer beside it); `gram`: a = b unweighted (symmetric)."""
@@ -78,8 +80,7 @@ def _product_sum(a: _Centred, b: _Centred, count: Tensor, into: Tensor | None = 
         out = gram_of(a.rows, into=into)
     else:
         out = add_product(into, a.weighed, b.rows)
-    n = float(count)
-    out.addr_(a.deviation, b.mean).addr_(a.mean, b.deviation).addr_(a.mean, b.mean, alpha=n)
+    out.addr_(a.deviation, b.mean).addr_(a.mean, b.deviation).addr_(a.mean, b.mean, alpha=a.count)
     return out
 
 
@@ -183,14 +184,13 @@ class LinearMoments:
     def _of_centred_rows(xs: Tensor, xe: Tensor, count: Tensor, weigh, unweighted: bool,
                          expert_projected: Tensor | None) -> "LinearMoments":
         """`of_rows` in a reduced precision: products of batch-centred rows (`_Centred`)."""
-        cs, ce = _Centred.of(xs, weigh, count), _Centred.of(xe, weigh, count)
+        cs = _Centred.of(xs, weigh, count)
         if expert_projected is None:
-            cross, projected = _product_sum(ce, cs, count), None
+            cross, projected = _product_sum(_Centred.of(xe, weigh, count), cs), None
         else:
-            cross, projected = None, _product_sum(_Centred.of(_rows(expert_projected, xs.dtype), weigh, count), cs, count)
-        gram = _product_sum(cs, cs, count, gram=unweighted)
-        n = count.to(device=xs.device, dtype=torch.float64)
-        return LinearMoments(count, gram, cross, cs.deviation + n * cs.mean, ce.deviation + n * ce.mean, projected)
+            cross, projected = None, _product_sum(_Centred.of(_rows(expert_projected, xs.dtype), weigh, count), cs)
+        gram = _product_sum(cs, cs, gram=unweighted)
+        return LinearMoments(count, gram, cross, cs.total, weigh(xe).sum(0, dtype=torch.float64), projected)
 
     def add_projected(
         self,
@@ -233,18 +233,17 @@ class LinearMoments:
     def _add_centred_projected(self, xs: Tensor, xe: Tensor, pe: Tensor, count: Tensor, weigh, unweighted: bool,
                                expert_weight: Tensor | None) -> None:
         """`add_projected`'s sums in a reduced precision, of batch-centred rows (`_Centred`), in place."""
-        cs, ce = _Centred.of(xs, weigh, count), _Centred.of(xe, weigh, count)
-        _product_sum(cs, cs, count, into=self.student_gram, gram=unweighted)
-        _product_sum(_Centred.of(pe, weigh, count), cs, count, into=self.projected_cross)
+        cs = _Centred.of(xs, weigh, count)
+        _product_sum(cs, cs, into=self.student_gram, gram=unweighted)
+        _product_sum(_Centred.of(pe, weigh, count), cs, into=self.projected_cross)
         if expert_weight is not None:   # rows W_e x_s = W_e (x_s − m) + W_e m: the first in the product dtype
             for i in range(0, expert_weight.shape[0], PRODUCT_CHUNK):
                 slice_ = expert_weight[i:i + PRODUCT_CHUNK].detach().to(device=xs.device)
                 projected = _Centred.of(cs.rows @ slice_.to(xs.dtype).T, weigh, count)
-                projected.mean.add_(slice_.to(torch.float64) @ cs.mean)
-                _product_sum(projected, cs, count, into=self.projected_gram[i:i + PRODUCT_CHUNK])
-        n = count.to(device=xs.device, dtype=torch.float64)
-        self.student_sum.add_(cs.deviation).add_(cs.mean, alpha=float(n))
-        self.expert_sum.add_(ce.deviation).add_(ce.mean, alpha=float(n))
+                projected.mean.add_(slice_.to(torch.float64) @ cs.mean)   # (its total is not read)
+                _product_sum(projected, cs, into=self.projected_gram[i:i + PRODUCT_CHUNK])
+        self.student_sum.add_(cs.total)
+        self.expert_sum.add_(weigh(xe).sum(0, dtype=torch.float64))
 
     def merge(self, other: "LinearMoments") -> "LinearMoments":
         _merge_into(self, other)
