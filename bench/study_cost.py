@@ -19,6 +19,7 @@ first (the experts' cached features). Run on an otherwise idle machine (24 trial
 the demo, ~15 min more with the reference):
 
     python bench/study_cost.py [--n-trials 24] [--trial-examples 64] [--trial-product-dtype float32] [--no-reference]
+                               [--keep DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,11 +49,11 @@ DEV_DROP_GOAL = 0.1   # issue: a cheaper search keeps the best dev within 0.1 po
 
 def run_study(method: str, n_trials: int, folder: Path, extra: list[str]) -> dict:
     """One fresh study of `method` on the anchor, in `folder`: its wall time and its summary."""
-    command = [sys.executable, "stages/tune_anchor.py", ANCHOR, "--methods", method, "--anchor-search",
+    command = [sys.executable, str(ROOT / "stages" / "tune_anchor.py"), ANCHOR, "--methods", method, "--anchor-search",
                "scale=0.1:1.0", "--n-trials", str(n_trials), "--out", str(folder / "dev"),
                "--storage", f"sqlite:///{folder / 'study.db'}", *extra]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True)   # in the project run from (its data)
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"study_cost: {' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
@@ -59,7 +61,8 @@ def run_study(method: str, n_trials: int, folder: Path, extra: list[str]) -> dic
     return {"wall_s": round(wall, 2), "trials": summary["trials"], "trial_wall_s": summary.get("trial_wall_s"),
             "trial_examples_per_task": summary.get("trial_examples_per_task"),
             "trial_product_dtype": summary.get("trial_product_dtype"),
-            "best_trial": summary["best"]["trial"], "best_dev_as_trial": round(summary["best"]["dev_avg"], 6),
+            "best_trial": summary["best"]["trial"], "best_params": summary["best"].get("params"),
+            "best_dev_as_trial": round(summary["best"]["dev_avg"], 6),
             "best_dev": summary["rescored_dev"]["dev"], "best_test": summary["test"]["avg"],
             "command": " ".join(command[1:])}
 
@@ -73,9 +76,10 @@ def main() -> None:
                         help="the FeatCal study's tune.trial_product_dtype (default: params.yaml's)")
     parser.add_argument("--no-reference", action="store_true",
                         help="no FeatCal study on every example beside one on fewer")
-    parser.add_argument("--out", default=str(ROOT / "results" / "bench.json"))
+    parser.add_argument("--out", default="results/bench.json")
+    parser.add_argument("--keep", metavar="DIR", help="copy each study (study.db and its summary) to DIR/<study>")
     args = parser.parse_args()
-    params = load_params(ROOT / "params.yaml")
+    params = load_params("params.yaml")
     fewer = args.trial_examples or get(params, "tune.trial_examples_per_task", None)
     dtype = args.trial_product_dtype or get(params, "tune.trial_product_dtype", None)
     fidelity = ["--trial-examples-per-task", str(args.trial_examples)] if args.trial_examples else []
@@ -87,6 +91,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="featcal-study-cost-") as tmp:
         studies = {name: run_study(method, args.n_trials, Path(tmp) / name, extra)
                    for name, (method, extra) in runs.items()}
+        for name in studies if args.keep else ():
+            kept = Path(args.keep) / name
+            kept.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(tmp) / name / "study.db", kept / "study.db")
+            for summary in (Path(tmp) / name / "dev").glob("*.json"):
+                shutil.copyfile(summary, kept / summary.name)
     ratio = round(studies["featcal"]["wall_s"] / studies["surgery"]["wall_s"], 3)
     for name, s in studies.items():
         examples = s["trial_examples_per_task"] or "all"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import copy_project
 from tiny_project import project_env
 
@@ -34,3 +35,43 @@ def test_calibration_cost_runs_on_a_project_and_writes_the_median_of_its_repeats
     assert math.isfinite(figures["max_rel_diff_vs_float64"]) and 0 <= figures["max_rel_diff_vs_float64"] < 1e-3
     assert {"moments", "solve", "capture forwards", "advance forwards"} <= set(cost["phases_s"])
     assert "featcal_over_forwards" in done.stdout and "median of 3" in done.stdout
+
+
+def run_bench(script: str, args: list[str], project: Path) -> str:
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=project, env=project_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
+@pytest.mark.slow(60)
+def test_study_cost_times_three_studies_keeps_them_and_the_pick_is_set_against_the_reference(tiny_project, tmp_path):
+    """bench/study_cost.py: a reduced-fidelity FeatCal study, the every-example reference and Surgery's,
+    timed in one run, each kept (study and summary) with its best values; bench/pick_vs_reference.py then
+    rebuilds the cheap study's pick and the reference's and gives their paired dev and test differences."""
+    project = copy_project(tiny_project.full, tmp_path / "project")
+    out, kept = tmp_path / "bench.json", tmp_path / "kept"
+    said = run_bench("study_cost.py", ["--n-trials", "2", "--trial-examples", "4", "--trial-product-dtype", "float32",
+                                       "--keep", str(kept), "--out", str(out)], project)
+    figures = json.loads(out.read_text())
+    studies = figures["study_cost"]["studies"]
+    assert set(studies) == {"featcal", "featcal_all_examples", "surgery"}, studies
+    assert studies["featcal"]["trial_examples_per_task"] == 4 and studies["featcal"]["trial_product_dtype"] == "float32"
+    assert studies["featcal_all_examples"]["trial_examples_per_task"] is None
+    for name, study in studies.items():
+        assert study["trials"]["complete"] == 2 and study["wall_s"] > 0, (name, study)
+        assert set(study["best_params"]) >= {"anchor.scale"} and 0 <= study["best_dev"] <= 1, (name, study)
+        assert (kept / name / "study.db").exists(), name
+    assert figures["featcal_study_over_surgery_study"] == round(studies["featcal"]["wall_s"] / studies["surgery"]["wall_s"], 3)
+    assert figures["study_best_dev"] == studies["featcal"]["best_dev"] and "best dev (deployed)" in said
+
+    run_bench("pick_vs_reference.py", [str(kept / "featcal"), "--reference", str(kept / "featcal_all_examples"),
+                                       "--resamples", "200", "--out", str(out)], project)
+    pick = json.loads(out.read_text())["pick_vs_reference"]
+    for split, key in (("dev", "best_dev"), ("test", "best_test")):
+        low, high = pick[split]["interval_95_points"]
+        estimate = pick[split]["pick_minus_reference_points"]
+        assert low <= estimate <= high, pick
+        # the rebuilt models score as the studies' deployed ones did
+        deployed = 100 * (studies["featcal"][key] - studies["featcal_all_examples"][key])
+        assert abs(estimate - deployed) < 0.01, (split, estimate, deployed)
