@@ -63,7 +63,7 @@ def run_study(method: str, n_trials: int, folder: Path, extra: list[str]) -> dic
             "trial_product_dtype": summary.get("trial_product_dtype"),
             "best_trial": summary["best"]["trial"], "best_params": summary["best"].get("params"),
             "best_dev_as_trial": round(summary["best"]["dev_avg"], 6),
-            "best_dev": summary["rescored_dev"]["dev"], "best_test": summary["test"]["avg"],
+            "best_dev": summary["rescored_dev"]["dev"], "best_test": summary["test"]["avg"], "rerank": summary.get("rerank"),
             "command": " ".join(command[1:])}
 
 
@@ -74,6 +74,9 @@ def main() -> None:
                         help="the FeatCal and Surgery studies' tune.trial_examples_per_task (default: params.yaml's)")
     parser.add_argument("--trial-product-dtype", choices=["float32", "float64"],
                         help="the FeatCal study's tune.trial_product_dtype (default: params.yaml's)")
+    parser.add_argument("--rerank-top-k", type=int, metavar="K",
+                        help="both studies' tune.rerank_top_k: the K best cheap trials calibrated (trained) again on "
+                             "every example, the best on dev chosen (default: params.yaml's)")
     parser.add_argument("--no-reference", action="store_true",
                         help="no FeatCal study on every example beside one on fewer")
     parser.add_argument("--out", default="results/bench.json")
@@ -84,6 +87,8 @@ def main() -> None:
     dtype = args.trial_product_dtype or get(params, "tune.trial_product_dtype", None)
     fidelity = ["--trial-examples-per-task", str(args.trial_examples)] if args.trial_examples else []
     precision = ["--trial-product-dtype", args.trial_product_dtype] if args.trial_product_dtype else []
+    rung = ["--rerank-top-k", str(args.rerank_top_k)] if args.rerank_top_k is not None else []
+    fidelity += rung   # the reference (every example, float64) has nothing to rerank
     runs = {"featcal": ("featcal", fidelity + precision)}
     if (fewer not in (None, "all") or dtype == "float32") and not args.no_reference:
         runs["featcal_all_examples"] = ("featcal", ["--trial-examples-per-task", "all", "--trial-product-dtype", "float64"])

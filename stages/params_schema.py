@@ -330,6 +330,7 @@ class Tune(Section):
     prune_startup_trials: integer(0) = 5
     trial_product_dtype: Optional[one_of(*PRODUCT_DTYPES)] = None   # trials' moment products; the best: featcal's
     trial_examples_per_task: Optional[integer(1)] = None   # trials' calibration examples per task; the best: all
+    rerank_top_k: integer(0) = 0   # a reduced search's K best trials recalibrated exactly; the best of those leaves
     expert_cache_mib: Optional[integer(0)] = 8192   # the experts' captured block inputs kept for later trials; 0 off
 
 

@@ -110,7 +110,10 @@ def score_best(summary: dict, study, score: Callable[[Mapping | None], dict[str,
         summary["test"] = test_summary(score(test))
     if predictions:
         write_predictions(Path(predictions) / f"{study.study_name}.parquet", {study.study_name: records})
-    recorded = study.best_trial.user_attrs.get("dev", {})
+    from featcal.tuning import chosen_trial, reranked_dev
+
+    chosen = chosen_trial(study)   # after a rerank its exact dev is what the deployed model must reproduce
+    recorded = reranked_dev(study).get(chosen.number) or chosen.user_attrs.get("dev", {})
     summary["rescored_dev"] = {"dev": test_summary(dev)["avg"],
                                "matches_trial": all(round(dev[t], 6) == recorded.get(t) for t in dev)}
 
@@ -163,7 +166,9 @@ def anchor_search(params: dict):
 
 def best_merge(problem, anchor, study):
     """The merge of the study's best trial (None without an anchor search: the loaded merged model)."""
-    return problem.merged_with(anchor, anchor.options_of(study.best_trial.params)) if anchor is not None else None
+    from featcal.tuning import chosen_trial
+
+    return problem.merged_with(anchor, anchor.options_of(chosen_trial(study).params)) if anchor is not None else None
 
 
 def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_trials: int, params: dict,
@@ -174,14 +179,14 @@ def tune_baseline_and_report(problem, args, storage: str, study_name: str, n_tri
     # tune.trial_examples_per_task: the trials read each task's first N calibration examples, as FeatCal's do
     baseline = BaselineProblem(problem, get(params, "tune.trial_examples_per_task", None))
     outcome = tune_baseline(baseline, args.method, storage, study_name, n_trials, seed=int(get(params, "seed")),
-                            anchor=anchor)
+                            anchor=anchor, rerank_top_k=int(get(params, "tune.rerank_top_k", 0) or 0))
     if args.summary:
         summary = dict(outcome.summary)
-        if args.score_test:   # the best configuration trained once more, on every example
+        if args.score_test:   # the best configuration trained once more, on every example (unless the rung did)
             final = baseline.on_every_example()
             if anchor is not None:
                 final.use_merged(best_merge(problem, anchor, outcome.study))
-            modules = final.train(best_config(outcome, args.method))
+            modules = outcome.deployed if outcome.deployed is not None else final.train(best_config(outcome, args.method))
             score_best(summary, outcome.study, lambda splits: final.score(modules, splits), params, tasks,
                        args.predictions)
         write_json(args.summary, summary)
@@ -242,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
                 from featcal.tuning import best_values
 
                 config = dataclasses.replace(base, **best_values(outcome.study, base))
-                calibrated = problem.calibrate(config, merged=best_merge(problem, anchor, outcome.study))
+                calibrated = outcome.deployed if outcome.deployed is not None else \
+                    problem.calibrate(config, merged=best_merge(problem, anchor, outcome.study))   # (the rung built it)
                 score_best(outcome.summary, outcome.study, lambda splits: problem.score(calibrated, splits), params,
                            tasks, args.predictions)
                 if args.predictions and get(params, "merge.method") != "sigmerge":

@@ -181,6 +181,8 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
         local["tune"]["trial_examples_per_task"] = summary.get("trial_examples_per_task")
         if "trial_product_dtype" in summary:
             local["tune"]["trial_product_dtype"] = summary["trial_product_dtype"]
+        # a reranked study's choice is rebuilt (its exact scores are in the study: nothing is reranked again)
+        local["tune"]["rerank_top_k"] = summary.get("rerank", {}).get("top_k", 0)
         folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work)
         params_file = folder / f"params-rescore-{method}.yaml"
         params_file.write_text(yaml.safe_dump(local, sort_keys=False))
@@ -237,6 +239,9 @@ def main() -> None:
     parser.add_argument("--trial-product-dtype", choices=["float32", "float64"],
                         help="tune.trial_product_dtype for these studies: the trials' moment products (the best is "
                              "calibrated again with featcal.product_dtype); default: params.yaml's")
+    parser.add_argument("--rerank-top-k", type=int, metavar="K",
+                        help="tune.rerank_top_k for these studies: a reduced search's K best trials calibrated (or "
+                             "trained) again on every example, the best on dev chosen; default: params.yaml's")
     parser.add_argument("--experts", default="experts", help="folder of the experts")
     parser.add_argument("--features", default="features/experts", help="the experts' cached calibration features")
     parser.add_argument("--out", default="results/dev_tuning", help="where <anchor>_<method>.json are written")
@@ -268,6 +273,8 @@ def main() -> None:
             else args.trial_examples_per_task
     if args.trial_product_dtype is not None:
         local["tune"]["trial_product_dtype"] = args.trial_product_dtype
+    if args.rerank_top_k is not None:
+        local["tune"]["rerank_top_k"] = args.rerank_top_k
     name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
     folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work, args.variant)
     params_file = folder / (f"params-{args.variant}.yaml" if args.variant else "params.yaml")

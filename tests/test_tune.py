@@ -258,6 +258,74 @@ def test_a_reduced_fidelity_search_calibrates_trials_on_the_first_examples_and_i
         tune.tune(problem, base, tune.SearchSpace(), storage, "more", 1, tune.StudySettings(trial_examples_per_task=25))
 
 
+def test_a_reduced_search_reranks_its_best_trials_exactly_and_the_best_of_those_leaves_the_study(project, tmp_path,
+                                                                                                   monkeypatch):
+    """tune.rerank_top_k: K: a reduced search's K best trials (by the float32, 12-example score they were
+    searched with) are calibrated again on every example in the exact path and scored on dev; the best of
+    those is what the summary, best_values and a resumed study name; no trial is scored twice; without the
+    rung the best trial leaves again."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    problem = problem_of(project, params)
+    base = FeatCalConfig.from_mapping({**params["featcal"], "product_dtype": "float64"})
+    exact_walks = []
+    calibrate = problem.calibrate
+
+    def recorded(config, after_block=None, merged=None, examples_per_task=None):
+        if examples_per_task is None:   # a walk on every example: what the rung runs
+            exact_walks.append(config)
+        return calibrate(config, after_block, merged, examples_per_task)
+
+    problem.calibrate = recorded
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    settings = tune.StudySettings(startup_trials=2, trial_product_dtype="float32", trial_examples_per_task=12,
+                                  rerank_top_k=3)
+    outcome = tune.tune(problem, base, tune.SearchSpace(), storage, "rung", 5, settings)
+    trials = [t for t in outcome.study.trials if t.state == TrialState.COMPLETE]
+    top = sorted(trials, key=lambda t: (-t.value, t.number))[:3]
+    exact = tune.reranked_dev(outcome.study)
+    assert set(exact) == {t.number for t in top} and len(exact_walks) == 3
+    for trial, config in zip(top, exact_walks):   # each the exact path on every example, scored on dev
+        assert config == objective.config_with(base, trial.params) and config.product_dtype == "float64"
+        assert exact[trial.number] == {t: round(v, 6) for t, v in problem.score(calibrate(config)).items()}
+    chosen = max(top, key=lambda t: (statistics.fmean(exact[t.number].values()), t.value, -t.number))
+    assert tune.chosen_trial(outcome.study).number == chosen.number == outcome.summary["best"]["trial"]
+    assert outcome.summary["rerank"]["chosen"] == chosen.number
+    assert [r["trial"] for r in outcome.summary["rerank"]["trials"]] == [t.number for t in top]
+    assert tune.best_values(outcome.study, base) == {k: float(getattr(objective.config_with(base, chosen.params), k))
+                                                       for k in ("alpha", "rho", "ridge")}
+    exact_walks.clear()
+    again = tune.tune(problem, base, tune.SearchSpace(), storage, "rung", 5, settings)   # resumed: nothing to do
+    assert exact_walks == [] and again.summary["best"]["trial"] == chosen.number
+    plain = tune.tune(problem, base, tune.SearchSpace(), storage, "rung", 5, dataclasses.replace(settings, rerank_top_k=0))
+    assert "rerank" not in plain.summary and plain.summary["best"]["trial"] == plain.study.best_trial.number
+    with pytest.raises(ValueError, match="tune.rerank_top_k must be an integer >= 1"):
+        tune.rerank(plain.study, 0, lambda trial: {})
+
+    # stages/tune.py: the rung from params.yaml; tune/best.yaml and the deployed model are the chosen trial's,
+    # and the deployed model, the one the rung built (no third walk on every example), reproduces its exact dev score
+    reduced = dict(params, tune={**params["tune"], "trial_examples_per_task": 12, "trial_product_dtype": "float32",
+                                 "rerank_top_k": 2, "startup_trials": 2})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(reduced, sort_keys=False))
+    stage_storage = f"sqlite:///{tmp_path / 'stage.db'}"
+    walks = []
+    monkeypatch.setattr(objective.TuneProblem, "calibrate", lambda self, config, after_block=None, merged=None,
+                        examples_per_task=None: (walks.append(examples_per_task),
+                                                 calibrate.__func__(self, config, after_block, merged, examples_per_task))[1])
+    monkeypatch.chdir(project)
+    tune_stage.main(["--params", str(tmp_path / "params.yaml"), "--storage", stage_storage, "--study-name", "rung",
+                     "--n-trials", "4", "--summary", str(tmp_path / "rung.json"), "--score-test",
+                     "--best", str(tmp_path / "best.yaml")])
+    assert walks == [12] * 4 + [None] * 2, walks
+    written = json.loads((tmp_path / "rung.json").read_text())
+    study = optuna.load_study(study_name="rung", storage=stage_storage)
+    chosen = tune.chosen_trial(study)
+    assert written["best"]["trial"] == written["rerank"]["chosen"] == chosen.number
+    assert written["rescored_dev"]["matches_trial"] is True   # the rung's exact dev, rebuilt for test
+    best = yaml.safe_load((tmp_path / "best.yaml").read_text())
+    assert best["study"]["best_trial"] == chosen.number
+    assert best["featcal"]["ridge"] == pytest.approx(chosen.params["ridge"], rel=1e-11)
+
+
 def test_a_reduced_fidelity_baseline_study_trains_on_the_first_examples_and_its_best_on_all(project, tmp_path,
                                                                                                  monkeypatch):
     """tune.trial_examples_per_task reaches Surgery's and ProbSurgery's studies too: a trial trains on the
@@ -299,6 +367,20 @@ def test_a_reduced_fidelity_baseline_study_trains_on_the_first_examples_and_its_
     config = baselines.best_config(outcome, "surgery")
     dev = full.score(train(full, config))
     assert written["rescored_dev"]["dev"] == round(sum(dev.values()) / len(dev), 6)
+
+    # a rung: the 2 best configurations trained again on every example, the best of those leaves
+    monkeypatch.setattr(baselines.BaselineProblem, "train", train)
+    ranked = baselines.tune_baseline(few, "surgery", f"sqlite:///{tmp_path / 'rung.db'}", "rung", 3, startup_trials=2,
+                                     rerank_top_k=2)
+    top = sorted((t for t in ranked.study.trials if t.state == TrialState.COMPLETE), key=lambda t: (-t.value, t.number))[:2]
+    exact = tune.reranked_dev(ranked.study)
+    assert set(exact) == {t.number for t in top}
+    for trial in top:
+        assert exact[trial.number] == {t: round(v, 6) for t, v in
+                                       full.score(full.train(baselines.config_of(trial.params, "surgery"))).items()}
+    chosen = max(top, key=lambda t: (statistics.fmean(exact[t.number].values()), t.value, -t.number))
+    assert ranked.summary["best"]["trial"] == chosen.number
+    assert baselines.best_config(ranked, "surgery") == baselines.config_of(chosen.params, "surgery")
 
 
 @pytest.mark.slow(10)

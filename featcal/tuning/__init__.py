@@ -10,8 +10,9 @@ _FROM = {
     **dict.fromkeys(("AnchorSearch", "DEFAULT_EXPERT_CACHE_MIB", "DevSplit", "Range", "SearchSpace", "TuneProblem", "drop_calibration_overlap", "load_problem",
                      "make_objective"), "featcal.tuning.objective"),
     **dict.fromkeys(("DEFAULT_STUDY", "ClaimLock", "StudyMismatchError", "StudySettings", "StudyStorageError",
-                     "TuneOutcome", "best_values", "copy_to_sqlite", "count_trials", "make_storage", "open_study",
-                     "run_trials", "snapshot_to_sqlite", "summarize", "tune", "write_best"), "featcal.tuning.study"),
+                     "TuneOutcome", "best_values", "chosen_trial", "copy_to_sqlite", "count_trials", "make_storage",
+                     "open_study", "rerank", "reranked_dev", "run_trials", "snapshot_to_sqlite", "summarize", "tune",
+                     "write_best"), "featcal.tuning.study"),
 }
 
 __all__ = sorted(_FROM)

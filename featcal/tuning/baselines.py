@@ -27,7 +27,9 @@ from featcal.data.splits import TaskSplit
 from featcal.evaluation.predictions import accuracy
 from featcal.io.checkpoints import with_backbone_assigned
 from featcal.tuning.objective import AnchorSearch, TuneProblem
-from featcal.tuning.study import count_trials, make_storage, open_study, redacted, run_trials, summarize, TuneOutcome
+from featcal.tuning.study import (
+    BestBuilt, chosen_trial, count_trials, make_storage, open_study, redacted, rerank, run_trials, summarize, TuneOutcome,
+)
 
 
 KINDS = ("surgery", "probsurgery")
@@ -110,11 +112,14 @@ class BaselineProblem:
 
 
 def tune_baseline(problem: BaselineProblem, kind: str, storage: str, study_name: str, n_trials: int,
-                  seed: int = 0, startup_trials: int = 8, anchor: AnchorSearch | None = None) -> TuneOutcome:
+                  seed: int = 0, startup_trials: int = 8, anchor: AnchorSearch | None = None,
+                  rerank_top_k: int = 0) -> TuneOutcome:
     """Bring the study `study_name` up to `n_trials` trials of `kind` (surgery | probsurgery), the
     paper's defaults tried first; each trial's dev accuracy per task is kept (`dev`). With `anchor`,
     each trial also merges with its own anchor values (`featcal.tuning.objective.AnchorSearch`).
-    A study holds trials of one fidelity (`problem.examples_per_task`, in its fingerprint)."""
+    A study holds trials of one fidelity (`problem.examples_per_task`, in its fingerprint). A
+    reduced-fidelity study with `rerank_top_k` K trains its K best configurations again on every
+    example and keeps the best of those on dev (`featcal.tuning.study.rerank`), as FeatCal's does."""
     base = default_config(kind)
     space = SPACES[kind]
     examples = "all" if problem.examples_per_task is None else problem.examples_per_task
@@ -133,17 +138,31 @@ def tune_baseline(problem: BaselineProblem, kind: str, storage: str, study_name:
     enqueue = {name: getattr(base, name) for name in space}
     ran = run_trials(study, objective, n_trials, seed=seed, startup_trials=startup_trials,
                      enqueue={**enqueue, **anchor.defaults()} if anchor is not None else enqueue)
+    built = BestBuilt()
+    if rerank_top_k and problem.examples_per_task is not None:
+        final = problem.on_every_example()
+
+        def exactly(trial) -> dict[str, float]:
+            if anchor is not None:
+                final.use_merged(problem.problem.merged_with(anchor, anchor.options_of(trial.params)))
+            return built.scored(trial.number, final.train(config_of(trial.params, kind)), final.score)
+
+        built.chosen = rerank(study, rerank_top_k, exactly).number
     summary = summarize(study)
     summary.update({"method": kind, "storage": redacted(storage), "target": n_trials, "ran_now": len(ran)})
     if problem.examples_per_task is not None:
         summary["trial_examples_per_task"] = problem.examples_per_task
-    return TuneOutcome(study, ran, existing, summary)
+    return TuneOutcome(study, ran, existing, summary, built.deployed)
+
+
+def config_of(params: Mapping, kind: str) -> SurgeryConfig | ProbSurgeryConfig:
+    """A trial's configuration from its parameters (its `anchor.*` values are the anchor's)."""
+    return replace(default_config(kind), **{k: v for k, v in params.items() if k in SPACES[kind]})
 
 
 def best_config(outcome: TuneOutcome, kind: str) -> SurgeryConfig | ProbSurgeryConfig:
-    """The configuration of the study's best trial (its `anchor.*` values are the anchor's)."""
-    params = outcome.study.best_trial.params
-    return replace(default_config(kind), **{k: v for k, v in params.items() if k in SPACES[kind]})
+    """The configuration of the study's best trial (`chosen_trial`: a rerank's choice where one ran)."""
+    return config_of(chosen_trial(outcome.study).params, kind)
 
 
 __all__ = ["BaselineProblem", "KINDS", "Knob", "SPACES", "best_config", "default_config", "tune_baseline"]

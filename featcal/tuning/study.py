@@ -434,6 +434,56 @@ def _claim(study: optuna.Study, trials: Sequence[FrozenTrial], enqueue: Mapping[
 # --- results --------------------------------------------------------------------------------------------
 
 
+RERANK = "rerank"   # study attribute: {"top_k": k, "dev": {trial number: {task: exact dev}}, "chosen": number}
+
+
+def rerank(study: optuna.Study, top_k: int, score_exactly: Callable[[FrozenTrial], Mapping[str, float]]) -> FrozenTrial:
+    """A reduced search's last rung: its `top_k` best trials by the score they were searched with (fewer
+    examples, float32), each scored again the way what leaves the study is (`score_exactly`: calibrated
+    or trained on every example in the exact path, then scored on dev), and the best of those chosen
+    (`chosen_trial`). The cheap trials rank; the rung decides among the few they rank highest, so a
+    ranking that is right only roughly need not pick its own first. The exact scores are kept in the
+    study: a resumed study scores no trial twice, and a larger study reranks its new top `top_k`."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"tune.rerank_top_k must be an integer >= 1 to rerank, got {top_k!r}")
+    ranked = sorted(complete_trials(study), key=lambda t: (-t.value, t.number))[:top_k]
+    if not ranked:
+        raise RuntimeError(f"study {study.study_name!r} has no complete trial to rerank")
+    exact = {int(n): dict(dev) for n, dev in study.user_attrs.get(RERANK, {}).get("dev", {}).items()}
+    for trial in ranked:
+        if trial.number not in exact:
+            exact[trial.number] = {t: round(float(v), 6) for t, v in score_exactly(trial).items()}
+            log.info("rerank: trial %d, dev %.4f searched, %.4f exact", trial.number, trial.value,
+                     statistics.fmean(exact[trial.number].values()))
+            _record_rerank(study, top_k, exact, None)   # each score kept as it is made
+    chosen = max(ranked, key=lambda t: (statistics.fmean(exact[t.number].values()), t.value, -t.number))
+    _record_rerank(study, top_k, exact, chosen.number)
+    return chosen
+
+
+def _record_rerank(study: optuna.Study, top_k: int, exact: Mapping[int, Mapping[str, float]],
+                   chosen: int | None) -> None:
+    study.set_user_attr(RERANK, {"top_k": top_k, "dev": {str(n): dict(d) for n, d in sorted(exact.items())},
+                                 "chosen": chosen})
+
+
+def reranked_dev(study: optuna.Study) -> dict[int, dict[str, float]]:
+    """Trial number -> its exact dev scores per task, for the trials a rerank scored."""
+    return {int(n): dict(d) for n, d in study.user_attrs.get(RERANK, {}).get("dev", {}).items()}
+
+
+def chosen_trial(study: optuna.Study) -> FrozenTrial:
+    """The trial whose values leave the study: a rerank's choice where the last run reranked
+    (`rerank`), else the best trial by its dev score."""
+    chosen = study.user_attrs.get(RERANK, {}).get("chosen")
+    if chosen is None:
+        return study.best_trial
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if trial.number == chosen:
+            return trial
+    raise RuntimeError(f"study {study.study_name!r}: the reranked trial {chosen} is not a complete trial")
+
+
 def summarize(study: optuna.Study) -> dict:
     """Counts, the best trial, the enqueued (default) trial and the trials' wall seconds."""
     with _readable_storage(_url(study)):
@@ -445,9 +495,17 @@ def summarize(study: optuna.Study) -> dict:
     calibrating = [t.user_attrs["calibrate_s"] for t in complete if "calibrate_s" in t.user_attrs]
     out: dict = {"study": study.study_name, "trials": by_state}
     if complete:
-        best = study.best_trial
+        best = chosen_trial(study)
         out["best"] = {"trial": best.number, "dev_avg": round(best.value, 6), "params": best.params,
                        "dev": best.user_attrs.get("dev", {})}
+        ranked = study.user_attrs.get(RERANK, {})
+        if ranked.get("chosen") is not None:   # the exact scores of the rung that chose it
+            exact = reranked_dev(study)
+            order = sorted((t for t in complete if t.number in exact), key=lambda t: (-t.value, t.number))
+            out["rerank"] = {"top_k": ranked["top_k"], "chosen": ranked["chosen"], "trials": [
+                {"trial": t.number, "dev_avg": round(t.value, 6),
+                 "exact_dev_avg": round(statistics.fmean(exact[t.number].values()), 6)}
+                for t in order[:ranked["top_k"]]]}
     default = next((t for t in complete if t.user_attrs.get("enqueued")), None)
     if default is not None:
         out["default"] = {"trial": default.number, "dev_avg": round(default.value, 6), "params": default.params}
@@ -461,14 +519,14 @@ def summarize(study: optuna.Study) -> dict:
 
 
 def best_values(study: optuna.Study, base: FeatCalConfig) -> dict:
-    """α, ρ, λ of the best complete trial, and its `layer_overrides` when it searched blocks on
+    """α, ρ, λ of the best complete trial (`chosen_trial`: a rerank's choice where one ran), and its `layer_overrides` when it searched blocks on
     their own (KEY@BLOCK) or `base` has some; a hyperparameter not searched keeps its `base` value."""
     if not complete_trials(study):
         raise RuntimeError(f"study {study.study_name!r} has no complete trial yet")
     from featcal.calibration.config import HYPER_KEYS
     from featcal.tuning.objective import AnchorSearch, config_with
 
-    params = study.best_trial.params
+    params = chosen_trial(study).params
     config = config_with(base, {k: float(v) for k, v in params.items() if not k.startswith(AnchorSearch.PREFIX)})
     out = {k: float(getattr(config, k)) for k in HYPER_KEYS}
     if config.layer_overrides:
@@ -495,7 +553,8 @@ def write_best(path: str | os.PathLike, study: optuna.Study, base: FeatCalConfig
     doc = {"featcal": featcal,
            "study": {"name": study.study_name, "best_trial": summary["best"]["trial"],
                      "dev_avg": summary["best"]["dev_avg"], "trials": summary["trials"]}}
-    header = ("# Written by featcal.tuning.write_best: the best trial's values (highest mean dev accuracy).\n"
+    header = ("# Written by featcal.tuning.write_best: the best trial's values (highest mean dev accuracy;\n"
+              "# after a rerank (tune.rerank_top_k), the highest recalibrated on every example).\n"
               "# With featcal.use_tuned: true, calibrate-layer@* read featcal.alpha/rho/ridge (and\n"
               "# layer_overrides, per block) from here.\n")
     with atomic_file(path) as tmp:
@@ -533,6 +592,10 @@ class StudySettings:
     # a search mode: each trial calibrates on each task's first N calibration examples (cheaper trials,
     # a noisier ranking); None: all of them. Whatever leaves the study is calibrated on all of them.
     trial_examples_per_task: int | None = None
+    # a reduced search's last rung (`rerank`): its K best trials calibrated again exactly (every
+    # example, the base config's precision) and scored on dev, the best of those leaving the study;
+    # 0: the best trial leaves as it is. No effect on a search in the exact path.
+    rerank_top_k: int = 0
 
 
 @dataclass
@@ -541,6 +604,9 @@ class TuneOutcome:
     ran: list[int]
     existing: int
     summary: dict
+    # what leaves the study, where this run built it already: the rung's exact model (FeatCal's calibrated
+    # backbone, a baseline's trained modules) of the chosen trial; None: build it from the chosen values
+    deployed: object | None = None
 
 
 def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage: str, study_name: str,
@@ -574,7 +640,7 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
     enqueue = {**defaults, **anchor_defaults} if settings.enqueue_defaults and inside else None
     if settings.enqueue_defaults and enqueue is None:
         log.warning("the defaults %s lie outside the search space: not enqueued", {**defaults, **anchor_defaults})
-    from featcal.tuning.objective import make_objective
+    from featcal.tuning.objective import AnchorSearch, config_with, make_objective
 
     if settings.trial_examples_per_task is not None:   # more than the sample holds: refused before any trial
         problem.calibration_batches(settings.trial_examples_per_task)
@@ -583,13 +649,45 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
     with _readable_storage(storage):   # a file locked or damaged mid-study: said in one line
         ran = run_trials(study, objective, n_trials, seed=settings.seed, startup_trials=settings.startup_trials,
                          lock=ClaimLock(storage, study_name), enqueue=enqueue)
+        reduced = trial_base.product_dtype != base.product_dtype or settings.trial_examples_per_task is not None
+        built = BestBuilt()
+        if settings.rerank_top_k and reduced:
+            def exactly(trial: FrozenTrial) -> dict[str, float]:
+                config = config_with(base, {k: v for k, v in trial.params.items() if not k.startswith(AnchorSearch.PREFIX)})
+                merged = problem.merged_with(anchor, anchor.options_of(trial.params)) if anchor is not None else None
+                return built.scored(trial.number, problem.calibrate(config, merged=merged), problem.score)
+
+            built.chosen = rerank(study, settings.rerank_top_k, exactly).number
+        elif study.user_attrs.get(RERANK, {}).get("chosen") is not None:   # no rung this time: the best leaves
+            _record_rerank(study, study.user_attrs[RERANK]["top_k"], reranked_dev(study), None)
     summary = summarize(study)
     summary.update({"storage": redacted(storage), "target": n_trials, "ran_now": len(ran)})
     if settings.trial_examples_per_task is not None:
         summary["trial_examples_per_task"] = settings.trial_examples_per_task
     if settings.trial_product_dtype:
         summary["trial_product_dtype"] = settings.trial_product_dtype
-    return TuneOutcome(study, ran, existing, summary)
+    return TuneOutcome(study, ran, existing, summary, built.deployed)
+
+
+@dataclass
+class BestBuilt:
+    """The best-scoring model a rung built in this run (one kept): where the rung chose it, what leaves
+    the study need not be built a second time (`deployed`)."""
+
+    number: int | None = None
+    mean: float = -math.inf
+    model: object | None = None
+    chosen: int | None = None
+
+    def scored(self, number: int, model: object, score: Callable[[object], Mapping[str, float]]) -> dict[str, float]:
+        dev = score(model)
+        if statistics.fmean(dev.values()) > self.mean:
+            self.number, self.mean, self.model = number, statistics.fmean(dev.values()), model
+        return dev
+
+    @property
+    def deployed(self) -> object | None:
+        return self.model if self.chosen is not None and self.chosen == self.number else None
 
 
 def snapshot_to_sqlite(study: optuna.Study, storage: str, path: str | os.PathLike) -> None:
