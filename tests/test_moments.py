@@ -113,21 +113,3 @@ def test_reduced_precision_products_centre_the_rows_and_keep_every_field_exact_t
                 assert torch.allclose(moments_to_arrays(via_add)[name], moments_to_arrays(fast)[name], rtol=1e-6,
                                       atol=1e-6 * float(value.abs().max())), name
         assert float(fast.count) == float(exact.count)
-
-
-def test_a_reduced_precision_target_product_is_formed_in_float32_and_the_exact_one_is_unchanged():
-    """W_e C for the solve in float32 (a reduced-precision walk's trials) is the float64 product to float32
-    rounding, and the default stays the float64 product bit for bit; both return float64."""
-    g = torch.Generator().manual_seed(5)
-    n, d, out = 300, 40, 24
-    xs = torch.randn(n, d, generator=g, dtype=torch.float64)
-    xe = xs + 0.2 * torch.randn(n, d, generator=g, dtype=torch.float64)
-    weight = torch.randn(out, d, generator=g)
-    m = LinearMoments()
-    m.add(xs, xe)
-    exact = (weight.double() @ (0.3 * m.cross_mean + 0.7 * m.gram))
-    default, fast = m.target_product(weight, 0.3), m.target_product(weight, 0.3, product_dtype=torch.float32)
-    assert default.dtype == fast.dtype == torch.float64
-    assert torch.allclose(default, exact, rtol=1e-12, atol=1e-12)
-    err = float((fast - exact).abs().max() / exact.abs().max())
-    assert 0 < err < 1e-6, err

@@ -279,7 +279,7 @@ def solve_modules(
             if system is None:
                 system = start_system(module, base[name], hyper)
                 for m, e in zip(stats, mods):   # one task's G_i at a time: a wide module's largest transients
-                    system.add(*gram_and_target(m, e.weight, hyper.alpha, consume, config.products))
+                    system.add(*gram_and_target(m, e.weight, hyper.alpha, consume))
             weight, rep, omegas = system.solve(prefix + name)
             del system
             updates[f"{name}.weight"] = weight
@@ -324,12 +324,10 @@ def fold_task(
     per_task: Mapping[str, Moments],
     hyper: LayerHyper,
     systems: MutableMapping[str, solve.NormalEquations],
-    product_dtype: torch.dtype = torch.float64,
 ) -> dict[str, Tensor]:
     """Add one task's linear-module sums into their systems and let go of its d × d sums: a block
     then holds one task's Grams and the systems, not every task's Grams (ω_i needs the whole G_i, so a
-    task is folded once all its rows are in). The same numbers as `solve_modules` with `consume` (and
-    its config's product dtype as `product_dtype`).
+    task is folded once all its rows are in). The same numbers as `solve_modules` with `consume`.
     Returns b_i + W_i μ_t,i of each module with a bias: after this the expert's linear weights are
     not read again in the block."""
     outputs = {}
@@ -338,7 +336,7 @@ def fold_task(
             continue
         if name not in systems:
             systems[name] = start_system(module, base[name], hyper)
-        systems[name].add(*gram_and_target(per_task[name], expert[name].weight, hyper.alpha, True, product_dtype))
+        systems[name].add(*gram_and_target(per_task[name], expert[name].weight, hyper.alpha, consume=True))
         if module.bias is not None:
             outputs[name] = solve.expert_output(expert[name].weight, expert[name].bias,
                                                 per_task[name].target_mean(hyper.alpha))
@@ -351,15 +349,14 @@ def linear_weights(backbone: nn.Module, modules: Mapping[str, nn.Module]) -> lis
 
 
 def gram_and_target(moments: LinearMoments, expert_weight: Tensor, alpha: float,
-                    consume: bool = False, product_dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
-    """(G_i, W_i C_i) of one task, G_i formed once, W_i C_i in `product_dtype` (a reduced-precision walk's
-    products). `consume`: G_i is formed in the Gram sum's own buffer and the moments let go of their
-    d × d sums, so the solve holds no second copy of them."""
+                    consume: bool = False) -> tuple[Tensor, Tensor]:
+    """(G_i, W_i C_i) of one task, G_i formed once. `consume`: G_i is formed in the Gram sum's own
+    buffer and the moments let go of their d × d sums, so the solve holds no second copy of them."""
     if not consume:
         gram = moments.gram
-        return gram, moments.target_product(expert_weight, alpha, gram, product_dtype=product_dtype)
+        return gram, moments.target_product(expert_weight, alpha, gram)
     gram = moments.student_gram.div_(moments.count)
-    target = moments.target_product(expert_weight, alpha, gram, consume=True, product_dtype=product_dtype)
+    target = moments.target_product(expert_weight, alpha, gram, consume=True)
     moments.student_gram = moments.cross = moments.projected_cross = moments.projected_gram = None
     return gram, target
 
@@ -510,8 +507,7 @@ def calibrate_block(
                 moments[name][task] = per_task[name]
         if fold:
             with phase("solve"):
-                formed = fold_task(modules, base_modules, expert_modules[task], per_task, config.for_layer(index), systems,
-                                   config.products)
+                formed = fold_task(modules, base_modules, expert_modules[task], per_task, config.for_layer(index), systems)
             for name, output in formed.items():
                 expert_outputs.setdefault(name, {})[task] = output
             if release_expert is not None:

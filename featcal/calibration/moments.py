@@ -115,18 +115,13 @@ def add_product(into: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return into
 
 
-def weight_times(weight: Tensor, m: Tensor, product_dtype: torch.dtype = torch.float64) -> Tensor:
-    """weight @ m as a float64 tensor (weight: out × in, any float dtype), `PRODUCT_CHUNK` of its rows cast
-    at a time: no float64 copy of the weight beside the product. `product_dtype` float32: the product is
-    formed in float32 (m cast once; ~1.8x faster on CPU), a reduced-precision walk's target products."""
+def weight_times(weight: Tensor, m: Tensor) -> Tensor:
+    """weight @ m in float64 (weight: out × in, any float dtype), `PRODUCT_CHUNK` of its rows cast at a
+    time: no float64 copy of the weight beside the product."""
     out = torch.empty(weight.shape[0], m.shape[1], dtype=torch.float64, device=m.device)
-    factor = m if product_dtype == torch.float64 else m.to(product_dtype)
     for i in range(0, weight.shape[0], PRODUCT_CHUNK):
-        rows = weight[i:i + PRODUCT_CHUNK].detach().to(device=m.device, dtype=product_dtype)
-        if product_dtype == torch.float64:
-            torch.matmul(rows, factor, out=out[i:i + PRODUCT_CHUNK])
-        else:
-            out[i:i + PRODUCT_CHUNK].copy_(rows @ factor)
+        rows = weight[i:i + PRODUCT_CHUNK].detach().to(device=m.device, dtype=torch.float64)
+        torch.matmul(rows, m, out=out[i:i + PRODUCT_CHUNK])
     return out
 
 
@@ -267,19 +262,18 @@ class LinearMoments:
         return self.cross / self.count
 
     def target_product(self, expert_weight: Tensor, alpha: float, gram: Tensor | None = None,
-                       consume: bool = False, product_dtype: torch.dtype = torch.float64) -> Tensor:
+                       consume: bool = False) -> Tensor:
         """W_e C = W_e (α K + (1−α) G): what the solve needs of the cross (out × in), with one product
-        by W_e (none where both of its terms were kept projected), formed in `product_dtype` (`weight_times`).
-        `gram`: `self.gram` when the caller holds it already (it is not formed twice). `consume`: the sums
-        are scaled in their own buffers (the same numbers), for a caller that lets them go."""
+        by W_e (none where both of its terms were kept projected). `gram`: `self.gram` when the caller
+        holds it already (it is not formed twice). `consume`: the sums are scaled in their own buffers
+        (the same numbers), for a caller that lets them go."""
         mean = (lambda x: x.div_(self.count)) if consume else (lambda x: x / self.count)
         if self.projected_gram is None and gram is None:   # G itself is needed (not where W_e G came from rows)
             gram = self.gram
         if self.projected_cross is None:
-            return weight_times(expert_weight, mean(self.cross).mul_(alpha).add_(gram, alpha=1.0 - alpha), product_dtype)
+            return weight_times(expert_weight, mean(self.cross).mul_(alpha).add_(gram, alpha=1.0 - alpha))
         wk = mean(self.projected_cross).mul_(alpha)
-        wg = mean(self.projected_gram) if self.projected_gram is not None else \
-            weight_times(expert_weight, gram, product_dtype)
+        wg = mean(self.projected_gram) if self.projected_gram is not None else weight_times(expert_weight, gram)
         return wk.add_(wg, alpha=1.0 - alpha)
 
     @property
