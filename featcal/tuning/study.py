@@ -519,8 +519,9 @@ def summarize(study: optuna.Study) -> dict:
 
 
 def best_values(study: optuna.Study, base: FeatCalConfig) -> dict:
-    """α, ρ, λ of the best complete trial (`chosen_trial`: a rerank's choice where one ran), and its `layer_overrides` when it searched blocks on
-    their own (KEY@BLOCK) or `base` has some; a hyperparameter not searched keeps its `base` value."""
+    """α, ρ, λ of the best complete trial (`chosen_trial`: a rerank's choice where one ran), and its
+    `layer_overrides` when it searched blocks on their own (KEY@BLOCK) or `base` has some; a
+    hyperparameter not searched keeps its `base` value."""
     if not complete_trials(study):
         raise RuntimeError(f"study {study.study_name!r} has no complete trial yet")
     from featcal.calibration.config import HYPER_KEYS
@@ -681,8 +682,9 @@ class BestBuilt:
 
     def scored(self, number: int, model: object, score: Callable[[object], Mapping[str, float]]) -> dict[str, float]:
         dev = score(model)
-        if statistics.fmean(dev.values()) > self.mean:
-            self.number, self.mean, self.model = number, statistics.fmean(dev.values()), model
+        mean = statistics.fmean(dev.values())
+        if mean > self.mean:
+            self.number, self.mean, self.model = number, mean, model
         return dev
 
     @property
