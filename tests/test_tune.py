@@ -299,7 +299,7 @@ def test_a_reduced_search_reranks_its_best_trials_exactly_and_the_best_of_those_
     plain = tune.tune(problem, base, tune.SearchSpace(), storage, "rung", 5, dataclasses.replace(settings, rerank_top_k=0))
     assert "rerank" not in plain.summary and plain.summary["best"]["trial"] == plain.study.best_trial.number
     with pytest.raises(ValueError, match="tune.rerank_top_k must be an integer >= 1"):
-        tune.rerank(plain.study, 0, lambda trial: {})
+        tune.rerank(plain.study, 0, lambda trial: None, lambda model: {})
 
     # stages/tune.py: the rung from params.yaml; tune/best.yaml and the deployed model are the chosen trial's,
     # and the deployed model, the one the rung built (no third walk on every example), reproduces its exact dev score

@@ -28,7 +28,7 @@ from featcal.evaluation.predictions import accuracy
 from featcal.io.checkpoints import with_backbone_assigned
 from featcal.tuning.objective import AnchorSearch, TuneProblem
 from featcal.tuning.study import (
-    BestBuilt, chosen_trial, count_trials, make_storage, open_study, redacted, rerank, run_trials, summarize, TuneOutcome,
+    chosen_trial, count_trials, make_storage, open_study, redacted, rerank, run_trials, summarize, TuneOutcome,
 )
 
 
@@ -138,21 +138,21 @@ def tune_baseline(problem: BaselineProblem, kind: str, storage: str, study_name:
     enqueue = {name: getattr(base, name) for name in space}
     ran = run_trials(study, objective, n_trials, seed=seed, startup_trials=startup_trials,
                      enqueue={**enqueue, **anchor.defaults()} if anchor is not None else enqueue)
-    built = BestBuilt()
+    deployed = None
     if rerank_top_k and problem.examples_per_task is not None:
         final = problem.on_every_example()
 
-        def exactly(trial) -> dict[str, float]:
+        def exactly(trial) -> dict[str, nn.Module]:   # (scored right after, on this trial's merge)
             if anchor is not None:
                 final.use_merged(problem.problem.merged_with(anchor, anchor.options_of(trial.params)))
-            return built.scored(trial.number, final.train(config_of(trial.params, kind)), final.score)
+            return final.train(config_of(trial.params, kind))
 
-        built.chosen = rerank(study, rerank_top_k, exactly).number
+        _, deployed = rerank(study, rerank_top_k, exactly, final.score)
     summary = summarize(study)
     summary.update({"method": kind, "storage": redacted(storage), "target": n_trials, "ran_now": len(ran)})
     if problem.examples_per_task is not None:
         summary["trial_examples_per_task"] = problem.examples_per_task
-    return TuneOutcome(study, ran, existing, summary, built.deployed)
+    return TuneOutcome(study, ran, existing, summary, deployed)
 
 
 def config_of(params: Mapping, kind: str) -> SurgeryConfig | ProbSurgeryConfig:

@@ -35,6 +35,7 @@ from optuna.trial import FrozenTrial, Trial, TrialState
 
 if TYPE_CHECKING:   # torch comes with these: a worker that only shares a study does without
     from featcal.calibration.config import FeatCalConfig
+    from torch import nn
     from featcal.tuning.objective import AnchorSearch, SearchSpace, TuneProblem
 
 log = logging.getLogger(__name__)
@@ -437,28 +438,35 @@ def _claim(study: optuna.Study, trials: Sequence[FrozenTrial], enqueue: Mapping[
 RERANK = "rerank"   # study attribute: {"top_k": k, "dev": {trial number: {task: exact dev}}, "chosen": number}
 
 
-def rerank(study: optuna.Study, top_k: int, score_exactly: Callable[[FrozenTrial], Mapping[str, float]]) -> FrozenTrial:
+def rerank(study: optuna.Study, top_k: int, build: Callable[[FrozenTrial], object],
+           score: Callable[[object], Mapping[str, float]]) -> tuple[FrozenTrial, object | None]:
     """A reduced search's last rung: its `top_k` best trials by the score they were searched with (fewer
-    examples, float32), each scored again the way what leaves the study is (`score_exactly`: calibrated
-    or trained on every example in the exact path, then scored on dev), and the best of those chosen
-    (`chosen_trial`). The cheap trials rank; the rung decides among the few they rank highest, so a
-    ranking that is right only roughly need not pick its own first. The exact scores are kept in the
-    study: a resumed study scores no trial twice, and a larger study reranks its new top `top_k`."""
+    examples, float32), each built again the way what leaves the study is (`build`: calibrated or
+    trained on every example in the exact path) and scored on dev (`score`), and the best of those
+    chosen (`chosen_trial`). The cheap trials rank; the rung decides among the few they rank highest, so
+    a ranking that is right only roughly need not pick its own first. The exact scores are kept in the
+    study: a resumed study scores no trial twice, and a larger study reranks its new top `top_k`.
+    Returns the chosen trial and its model where this call built it (else None; one model is held)."""
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"tune.rerank_top_k must be an integer >= 1 to rerank, got {top_k!r}")
     ranked = sorted(complete_trials(study), key=lambda t: (-t.value, t.number))[:top_k]
     if not ranked:
         raise RuntimeError(f"study {study.study_name!r} has no complete trial to rerank")
-    exact = {int(n): dict(dev) for n, dev in study.user_attrs.get(RERANK, {}).get("dev", {}).items()}
+    exact = reranked_dev(study)
+    best: tuple[float, int, object] | None = None   # the best model built here: (mean dev, trial, model)
     for trial in ranked:
         if trial.number not in exact:
-            exact[trial.number] = {t: round(float(v), 6) for t, v in score_exactly(trial).items()}
-            log.info("rerank: trial %d, dev %.4f searched, %.4f exact", trial.number, trial.value,
-                     statistics.fmean(exact[trial.number].values()))
+            model = build(trial)
+            exact[trial.number] = {t: round(float(v), 6) for t, v in score(model).items()}
+            mean = statistics.fmean(exact[trial.number].values())
+            log.info("rerank: trial %d, dev %.4f searched, %.4f exact", trial.number, trial.value, mean)
+            if best is None or mean > best[0]:
+                best = (mean, trial.number, model)
+            del model
             _record_rerank(study, top_k, exact, None)   # each score kept as it is made
     chosen = max(ranked, key=lambda t: (statistics.fmean(exact[t.number].values()), t.value, -t.number))
     _record_rerank(study, top_k, exact, chosen.number)
-    return chosen
+    return chosen, best[2] if best is not None and best[1] == chosen.number else None
 
 
 def _record_rerank(study: optuna.Study, top_k: int, exact: Mapping[int, Mapping[str, float]],
@@ -651,14 +659,14 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
         ran = run_trials(study, objective, n_trials, seed=settings.seed, startup_trials=settings.startup_trials,
                          lock=ClaimLock(storage, study_name), enqueue=enqueue)
         reduced = trial_base.product_dtype != base.product_dtype or settings.trial_examples_per_task is not None
-        built = BestBuilt()
+        deployed = None
         if settings.rerank_top_k and reduced:
-            def exactly(trial: FrozenTrial) -> dict[str, float]:
+            def exactly(trial: FrozenTrial) -> nn.Module:
                 config = config_with(base, {k: v for k, v in trial.params.items() if not k.startswith(AnchorSearch.PREFIX)})
                 merged = problem.merged_with(anchor, anchor.options_of(trial.params)) if anchor is not None else None
-                return built.scored(trial.number, problem.calibrate(config, merged=merged), problem.score)
+                return problem.calibrate(config, merged=merged)
 
-            built.chosen = rerank(study, settings.rerank_top_k, exactly).number
+            _, deployed = rerank(study, settings.rerank_top_k, exactly, problem.score)
         elif study.user_attrs.get(RERANK, {}).get("chosen") is not None:   # no rung this time: the best leaves
             _record_rerank(study, study.user_attrs[RERANK]["top_k"], reranked_dev(study), None)
     summary = summarize(study)
@@ -667,29 +675,7 @@ def tune(problem: TuneProblem, base: FeatCalConfig, space: SearchSpace, storage:
         summary["trial_examples_per_task"] = settings.trial_examples_per_task
     if settings.trial_product_dtype:
         summary["trial_product_dtype"] = settings.trial_product_dtype
-    return TuneOutcome(study, ran, existing, summary, built.deployed)
-
-
-@dataclass
-class BestBuilt:
-    """The best-scoring model a rung built in this run (one kept): where the rung chose it, what leaves
-    the study need not be built a second time (`deployed`)."""
-
-    number: int | None = None
-    mean: float = -math.inf
-    model: object | None = None
-    chosen: int | None = None
-
-    def scored(self, number: int, model: object, score: Callable[[object], Mapping[str, float]]) -> dict[str, float]:
-        dev = score(model)
-        mean = statistics.fmean(dev.values())
-        if mean > self.mean:
-            self.number, self.mean, self.model = number, mean, model
-        return dev
-
-    @property
-    def deployed(self) -> object | None:
-        return self.model if self.chosen is not None and self.chosen == self.number else None
+    return TuneOutcome(study, ran, existing, summary, deployed)
 
 
 def snapshot_to_sqlite(study: optuna.Study, storage: str, path: str | os.PathLike) -> None:
