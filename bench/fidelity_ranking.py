@@ -16,10 +16,8 @@ import dataclasses
 import datetime
 import json
 import shlex
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import optuna
@@ -28,13 +26,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))
-from common import enabled_tasks, get, max_length  # noqa: E402
+from common import get  # noqa: E402
 
 from featcal.calibration.config import FeatCalConfig  # noqa: E402
-from featcal.tuning import AnchorSearch, Range, load_problem  # noqa: E402
+from featcal.tuning import AnchorSearch, Range  # noqa: E402
 from featcal.tuning.objective import config_with, ridge_scaled  # noqa: E402
 
-STUDY = "task_arithmetic-anchor-featcal"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trial_cost import STUDY, anchor_folder, anchor_problem, committed_trials  # noqa: E402
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -55,22 +54,11 @@ def main() -> None:
     parser.add_argument("--out", default="results/fidelity_ranking.json")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    folders = sorted(Path("work/anchors").glob("task_arithmetic-*/merged"))
-    if not folders:
-        raise SystemExit("fidelity_ranking: no work/anchors/task_arithmetic-*/merged: run "
-                         "`python stages/tune_anchor.py task_arithmetic --rescore` first")
-    folder = folders[0].parent
+    folder = anchor_folder("work/anchors", "fidelity_ranking")
     params = yaml.safe_load((folder / "params.yaml").read_text())
-    tasks = enabled_tasks(params)
-    with tempfile.TemporaryDirectory() as tmp:   # the committed study is only read, from a copy
-        shutil.copyfile("results/dev_tuning/study.db", Path(tmp) / "study.db")
-        study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{Path(tmp) / 'study.db'}")
-        trials = sorted((t for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: -t.value)
+    trials = sorted(committed_trials("results/dev_tuning/study.db"), key=lambda t: -t.value)   # stable: ties by number
     picked = trials[:5] + trials[5::4][:5]   # the five best and five spread over the rest
-    problem = load_problem(base=get(params, "model.base"), tasks=tasks, max_length={t: max_length(params, t) for t in tasks},
-                           batch_size=int(get(params, "calibration.batch_size")), merged=folder / "merged",
-                           experts_dir="experts", features="features/experts", tasks_dir=get(params, "tasks_dir"),
-                           seed=int(get(params, "seed")))
+    problem = anchor_problem(params, folder)
     base = dataclasses.replace(FeatCalConfig.from_mapping(get(params, "featcal")), product_dtype="float32")
     anchor = AnchorSearch("task_arithmetic", dict(get(params, "merge.options")), {"scale": Range(0.1, 1.0)})
     whole = int(get(params, "calibration.examples_per_task"))

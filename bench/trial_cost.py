@@ -57,23 +57,12 @@ def main() -> None:
     parser.add_argument("--expert-cache-mib", type=int, default=DEFAULT_EXPERT_CACHE_MIB,
                         help="the bound of the cached run's expert input cache")
     args = parser.parse_args()
-    folders = sorted(Path(args.work).glob("task_arithmetic-*/merged"))
-    if not folders:
-        raise SystemExit(f"trial_cost: no task_arithmetic-*/merged under {args.work}: run "
-                         "`python stages/tune_anchor.py task_arithmetic --rescore` first")
-    folder = folders[0].parent
+    folder = anchor_folder(args.work, "trial_cost")
     params = yaml.safe_load((folder / "params-rescore-featcal.yaml").read_text()) \
         if (folder / "params-rescore-featcal.yaml").exists() else load_params()
-    tasks = enabled_tasks(params)
-    with tempfile.TemporaryDirectory() as tmp:   # the committed study is only read, from a copy
-        shutil.copyfile(args.study_file, Path(tmp) / "study.db")
-        study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{Path(tmp) / 'study.db'}")
-        trials = sorted((t for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.number)[:args.trials]
+    trials = committed_trials(args.study_file)[:args.trials]
     start = time.perf_counter()
-    problem = load_problem(base=get(params, "model.base"), tasks=tasks, max_length={t: max_length(params, t) for t in tasks},
-                           batch_size=int(get(params, "calibration.batch_size")), merged=folder / "merged",
-                           experts_dir="experts", features="features/experts", tasks_dir=get(params, "tasks_dir"),
-                           seed=int(get(params, "seed")))
+    problem = anchor_problem(params, folder)
     setup_s = time.perf_counter() - start
     base = FeatCalConfig.from_mapping(get(params, "featcal"))
     anchor = AnchorSearch("task_arithmetic", dict(get(params, "merge.options")), {"scale": Range(0.1, 1.0)})
@@ -109,6 +98,32 @@ def main() -> None:
         "threads": torch.get_num_threads(), "study": STUDY, "setup_s": round(setup_s, 2), "mean": mean["uncached"],
         "trials": modes["uncached"], **cached_runs}})
     print(f"wrote {args.out}")
+
+
+def anchor_folder(work: str, script: str) -> Path:
+    """The anchor's merge folder `stages/tune_anchor.py task_arithmetic` keeps under `work`."""
+    folders = sorted(Path(work).glob("task_arithmetic-*/merged"))
+    if not folders:
+        raise SystemExit(f"{script}: no task_arithmetic-*/merged under {work}: run "
+                         "`python stages/tune_anchor.py task_arithmetic --rescore` first")
+    return folders[0].parent
+
+
+def committed_trials(study_file: str | Path) -> list:
+    """The committed study's complete trials by number, read from a copy (opening a study may write)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(study_file, Path(tmp) / "study.db")
+        study = optuna.load_study(study_name=STUDY, storage=f"sqlite:///{Path(tmp) / 'study.db'}")
+        return sorted((t for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.number)
+
+
+def anchor_problem(params: dict, folder: Path):
+    """The tuning problem on the anchor's merge, loaded as `stages/tune.py` loads it."""
+    tasks = enabled_tasks(params)
+    return load_problem(base=get(params, "model.base"), tasks=tasks, max_length={t: max_length(params, t) for t in tasks},
+                        batch_size=int(get(params, "calibration.batch_size")), merged=folder / "merged",
+                        experts_dir="experts", features="features/experts", tasks_dir=get(params, "tasks_dir"),
+                        seed=int(get(params, "seed")))
 
 
 def replay(problem, base: FeatCalConfig, anchor: AnchorSearch, trial) -> dict:
