@@ -21,27 +21,26 @@ from tiny_project import project_env
 REPO = Path(__file__).resolve().parents[1]
 
 
+def run_bench(script: str, args: list[str], project: Path, timeout: float = 900) -> str:
+    """bench/<script> run in `project`; it must succeed; its stdout."""
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=project, env=project_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done.stdout
+
+
 def test_calibration_cost_runs_on_a_project_and_writes_the_median_of_its_repeats(tiny_project, tmp_path):
     project = copy_project(tiny_project.full, tmp_path / "project")
     out = tmp_path / "bench.json"
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "calibration_cost.py"), "--repeats", "3",
-                           "--examples-per-task", "4", "--out", str(out)],
-                          cwd=project, env=project_env(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    said = run_bench("calibration_cost.py", ["--repeats", "3", "--examples-per-task", "4", "--out", str(out)], project,
+                     timeout=600)
     figures = json.loads(out.read_text())
     cost = figures["calibration_cost"]
     assert cost["repeats"] == 3 and len(cost["ratios"]) == 3 and cost["examples_per_task"] == 4
     assert figures["featcal_over_forwards"] == round(sorted(cost["ratios"])[1], 3)   # the median repeat
     assert math.isfinite(figures["max_rel_diff_vs_float64"]) and 0 <= figures["max_rel_diff_vs_float64"] < 1e-3
     assert {"moments", "solve", "capture forwards", "advance forwards"} <= set(cost["phases_s"])
-    assert "featcal_over_forwards" in done.stdout and "median of 3" in done.stdout
-
-
-def run_bench(script: str, args: list[str], project: Path) -> str:
-    done = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=project, env=project_env(),
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return done.stdout
+    assert "featcal_over_forwards" in said and "median of 3" in said
 
 
 @pytest.mark.slow(60)
