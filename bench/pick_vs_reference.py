@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from alpha_rerun import merge_json  # noqa: E402  (it puts stages/ on the path)
+from study_cost import run_tune_anchor  # noqa: E402
 
 from featcal.evaluation.bootstrap import difference_interval, resample_indices, task_sizes  # noqa: E402
 from featcal.evaluation.predictions import read_correctness  # noqa: E402
 
-ANCHOR = "task_arithmetic"
 REFERENCE = Path("results/predictions/task_arithmetic-anchor-featcal.parquet")
 
 
@@ -39,11 +37,8 @@ def rescored_predictions(kept: Path, folder: Path) -> Path:
     """The kept study's dev-best model rebuilt and scored (`tune_anchor.py --rescore`): its predictions file."""
     if not (kept / "study.db").exists():
         raise SystemExit(f"pick_vs_reference: no study.db in {kept} (bench/study_cost.py --keep DIR: DIR/<study>)")
-    command = [sys.executable, str(ROOT / "stages" / "tune_anchor.py"), ANCHOR, "--rescore", "--methods", "featcal",
-               "--out", str(kept), "--predictions", str(folder)]
-    done = subprocess.run(command, capture_output=True, text=True)   # in the project run from (its data)
-    if done.returncode != 0:
-        raise SystemExit(f"pick_vs_reference: {' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    run_tune_anchor(["--rescore", "--methods", "featcal", "--out", str(kept), "--predictions", str(folder)],
+                    "pick_vs_reference")
     files = [p for p in folder.glob("*.parquet") if p.stem.endswith("-featcal")]
     if len(files) != 1:
         raise SystemExit(f"pick_vs_reference: expected one <study>-featcal.parquet in {folder}, found {files}")

@@ -47,16 +47,23 @@ GOAL = 1.0   # issue: FeatCal's study costs no more than Surgery's
 DEV_DROP_GOAL = 0.1   # issue: a cheaper search keeps the best dev within 0.1 points
 
 
+def run_tune_anchor(args: list[str], script: str) -> list[str]:
+    """`stages/tune_anchor.py <anchor> args` in the project run from (its data); a failure stops `script`
+    with the command and the end of its output. Returns the command."""
+    command = [sys.executable, str(ROOT / "stages" / "tune_anchor.py"), ANCHOR, *args]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{script}: {' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return command
+
+
 def run_study(method: str, n_trials: int, folder: Path, extra: list[str]) -> dict:
     """One fresh study of `method` on the anchor, in `folder`: its wall time and its summary."""
-    command = [sys.executable, str(ROOT / "stages" / "tune_anchor.py"), ANCHOR, "--methods", method, "--anchor-search",
-               "scale=0.1:1.0", "--n-trials", str(n_trials), "--out", str(folder / "dev"),
-               "--storage", f"sqlite:///{folder / 'study.db'}", *extra]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)   # in the project run from (its data)
+    command = run_tune_anchor(["--methods", method, "--anchor-search", "scale=0.1:1.0", "--n-trials", str(n_trials),
+                               "--out", str(folder / "dev"), "--storage", f"sqlite:///{folder / 'study.db'}", *extra],
+                              "study_cost")
     wall = time.perf_counter() - start
-    if done.returncode != 0:
-        raise SystemExit(f"study_cost: {' '.join(command)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     summary = json.loads((folder / "dev" / f"{ANCHOR}_{method}.json").read_text())
     return {"wall_s": round(wall, 2), "trials": summary["trials"], "trial_wall_s": summary.get("trial_wall_s"),
             "trial_examples_per_task": summary.get("trial_examples_per_task"),
