@@ -40,7 +40,7 @@ def with_rescored_scores(studies: dict, predictions: Path) -> dict:
         if check is None or (check["dev_matches"] and check["test_matches"] and check["same_trial"]):
             continue
         again = json.loads((predictions / "rescored" / f"{anchor}_{method}.json").read_text())
-        out[(anchor, method)] = {**summary, "test": again["test"], "rescored": True,
+        out[(anchor, method)] = {**summary, "test": again["test"], "rescored": True, "rescored_dev": again["rescored_dev"],
                                  "best": {**summary["best"], "dev_avg": again["rescored_dev"]["dev"]}}
         print(f"compare_tuned: {anchor}/{method}: the rebuilt model does not reproduce study {summary['study']} "
               f"(test {summary['test']['avg']} -> {again['test']['avg']}); its rebuilt scores are reported")

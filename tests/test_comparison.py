@@ -38,6 +38,16 @@ def test_rows_put_each_study_next_to_its_anchor_alone_with_both_gaps():
     assert len(lines) == 2 + len(rows) and "| ties | featcal | 73.0 | 71.0 | 72.0 | 20.0 | 60.0 | 75.0 | 240 | 0 |" in lines
 
 
+def test_a_reduced_search_is_reported_with_its_deployed_dev_and_its_rung_in_the_search_seconds():
+    """The trial's searched score (fewer examples, float32) is not the deployed model's dev; the rung's
+    exact rebuilds are part of what the search cost."""
+    alone = {"task_arithmetic": {"avg": 0.60, "a": 0.6, "b": 0.6}}
+    reduced = summary(0.70, 0.72, {"alpha": 0.3, "rho": 1.0, "ridge": 0.01})
+    reduced.update({"rescored_dev": {"dev": 0.749, "matches_trial": True}, "rerank": {"top_k": 5, "wall_s": 100.0}})
+    row = comparison_rows(0.80, alone, {("task_arithmetic", "featcal"): reduced}, width=16, n_tasks=2)[1]
+    assert row.dev_avg == 0.749 and row.search_s == 24 * 10.0 + 100.0
+
+
 def test_a_study_without_test_scores_or_an_anchor_without_its_own_scores_is_refused():
     alone = {"ties": {"avg": 0.7}}
     no_test = summary(0.75, 0.72, {"alpha": 0.3})

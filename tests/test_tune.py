@@ -290,6 +290,9 @@ def test_a_reduced_search_reranks_its_best_trials_exactly_and_the_best_of_those_
     chosen = max(top, key=lambda t: (statistics.fmean(exact[t.number].values()), t.value, -t.number))
     assert tune.chosen_trial(outcome.study).number == chosen.number == outcome.summary["best"]["trial"]
     assert outcome.summary["rerank"]["chosen"] == chosen.number
+    seconds = outcome.study.user_attrs["rerank"]["wall_s"]   # each exact rebuild's seconds: a search's cost
+    assert set(seconds) == {str(t.number) for t in top} and all(s > 0 for s in seconds.values())
+    assert outcome.summary["rerank"]["wall_s"] == pytest.approx(sum(seconds.values()), abs=1e-3)
     assert [r["trial"] for r in outcome.summary["rerank"]["trials"]] == [t.number for t in top]
     assert tune.best_values(outcome.study, base) == {k: float(getattr(objective.config_with(base, chosen.params), k))
                                                        for k in ("alpha", "rho", "ridge")}

@@ -26,12 +26,12 @@ class ComparisonRow:
     method: str
     test: dict[str, float]                 # {"avg", <task>: accuracy}
     test_avg: float
-    dev_avg: float | None                  # the study's best (None: the anchor alone, not searched)
+    dev_avg: float | None                  # the deployed model's dev (`deployed_dev`; None: the anchor alone)
     gap_closed: float | None               # of this anchor's gap to the experts
     gap_closed_vs_ta: float | None         # of Task Arithmetic's gap
     hyperparameters: dict = field(default_factory=dict)
     trials: int = 0
-    search_s: float = 0.0                  # the study's trials, wall seconds (mean trial × trials)
+    search_s: float = 0.0                  # wall seconds: mean trial × trials, plus a rung's exact rebuilds (`search_seconds`)
     extra_parameters: int = 0              # carried by the deployed model beyond the merged backbone
     ci95: dict | None = None               # {"avg", <task>: [low, high]}: paired bootstrap, test
     vs_best: dict | None = None            # test difference to its anchor's best row: {"best", "difference",
@@ -87,12 +87,26 @@ def comparison_rows(
             params = dict(summary["best"]["params"])
             n = int(summary.get("trials", {}).get("complete", 0))
             rows.append(ComparisonRow(
-                anchor, method, test, test["avg"], float(summary["best"]["dev_avg"]),
+                anchor, method, test, test["avg"], deployed_dev(summary),
                 gap(test["avg"], base, experts_avg), None if ta is None else gap(test["avg"], ta, experts_avg),
-                params, n, round(float(summary.get("trial_wall_s", {}).get("mean", 0.0)) * n, 1),
+                params, n, search_seconds(summary),
                 extra_parameters(method, params, width, n_tasks), rescored=bool(summary.get("rescored")),
             ))
     return rows
+
+
+def deployed_dev(summary: Mapping) -> float:
+    """The dev score of the model the study deployed: after a reduced search (fewer examples, float32, a
+    rung) the rebuilt model's (`rescored_dev`), which is not the trial's searched score; else the best trial's."""
+    rescored = summary.get("rescored_dev") or {}
+    return float(rescored["dev"] if "dev" in rescored else summary["best"]["dev_avg"])
+
+
+def search_seconds(summary: Mapping) -> float:
+    """What the search cost: its complete trials (mean wall × count) and a rung's exact rebuilds and scorings."""
+    n = int(summary.get("trials", {}).get("complete", 0))
+    trials = float(summary.get("trial_wall_s", {}).get("mean", 0.0)) * n
+    return round(trials + float((summary.get("rerank") or {}).get("wall_s", 0.0)), 1)
 
 
 def dev_best(rows: list[ComparisonRow], methods: tuple[str, ...] = COMPARED[1:]) -> ComparisonRow:

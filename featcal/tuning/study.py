@@ -435,7 +435,8 @@ def _claim(study: optuna.Study, trials: Sequence[FrozenTrial], enqueue: Mapping[
 # --- results --------------------------------------------------------------------------------------------
 
 
-RERANK = "rerank"   # study attribute: {"top_k": k, "dev": {trial number: {task: exact dev}}, "chosen": number}
+RERANK = "rerank"   # study attribute: {"top_k": k, "dev": {trial number: {task: exact dev}}, "chosen": number,
+#                     "wall_s": {trial number: seconds its exact build and dev scoring took}}
 
 
 def rerank(study: optuna.Study, top_k: int, build: Callable[[FrozenTrial], object],
@@ -453,26 +454,32 @@ def rerank(study: optuna.Study, top_k: int, build: Callable[[FrozenTrial], objec
     if not ranked:
         raise RuntimeError(f"study {study.study_name!r} has no complete trial to rerank")
     exact = reranked_dev(study)
+    seconds = {int(n): s for n, s in study.user_attrs.get(RERANK, {}).get("wall_s", {}).items()}
     best: tuple[float, int, object] | None = None   # the best model built here: (mean dev, trial, model)
     for trial in ranked:
         if trial.number not in exact:
+            start = time.perf_counter()
             model = build(trial)
             exact[trial.number] = {t: round(float(v), 6) for t, v in score(model).items()}
+            seconds[trial.number] = round(time.perf_counter() - start, 3)
             mean = statistics.fmean(exact[trial.number].values())
             log.info("rerank: trial %d, dev %.4f searched, %.4f exact", trial.number, trial.value, mean)
             if best is None or mean > best[0]:
                 best = (mean, trial.number, model)
             del model
-            _record_rerank(study, top_k, exact, None)   # each score kept as it is made
+            _record_rerank(study, top_k, exact, None, seconds)   # each score kept as it is made
     chosen = max(ranked, key=lambda t: (statistics.fmean(exact[t.number].values()), t.value, -t.number))
-    _record_rerank(study, top_k, exact, chosen.number)
+    _record_rerank(study, top_k, exact, chosen.number, seconds)
     return chosen, best[2] if best is not None and best[1] == chosen.number else None
 
 
 def _record_rerank(study: optuna.Study, top_k: int, exact: Mapping[int, Mapping[str, float]],
-                   chosen: int | None) -> None:
+                   chosen: int | None, seconds: Mapping[int, float] | None = None) -> None:
+    """The rung's record; `seconds` None keeps the recorded ones."""
+    if seconds is None:
+        seconds = {int(n): s for n, s in study.user_attrs.get(RERANK, {}).get("wall_s", {}).items()}
     study.set_user_attr(RERANK, {"top_k": top_k, "dev": {str(n): dict(d) for n, d in sorted(exact.items())},
-                                 "chosen": chosen})
+                                 "chosen": chosen, "wall_s": {str(n): s for n, s in sorted(seconds.items())}})
 
 
 def reranked_dev(study: optuna.Study) -> dict[int, dict[str, float]]:
@@ -510,7 +517,9 @@ def summarize(study: optuna.Study) -> dict:
         if ranked.get("chosen") is not None:   # the exact scores of the rung that chose it
             exact = reranked_dev(study)
             order = sorted((t for t in complete if t.number in exact), key=lambda t: (-t.value, t.number))
-            out["rerank"] = {"top_k": ranked["top_k"], "chosen": ranked["chosen"], "trials": [
+            # what the rung cost beside the trials (every exact build and scoring it made; a search's seconds)
+            out["rerank"] = {"top_k": ranked["top_k"], "chosen": ranked["chosen"],
+                             "wall_s": round(sum(ranked.get("wall_s", {}).values()), 3), "trials": [
                 {"trial": t.number, "dev_avg": round(t.value, 6),
                  "exact_dev_avg": round(statistics.fmean(exact[t.number].values()), 6)}
                 for t in order[:ranked["top_k"]]]}
