@@ -13,7 +13,9 @@ study's history and parameter importances.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import subprocess
 from pathlib import Path
 
 import optuna
@@ -24,8 +26,19 @@ from featcal.io.models import write_json
 from featcal.evaluation.predictions import read_correctness
 from featcal.tuning.comparison import (
     COMPARED, FEATCAL_PIPELINES, as_mapping, comparison_rows, detectable, dev_best, markdown_table, per_task_groups,
-    significance_markdown, with_uncertainty,
+    search_of, significance_markdown, with_uncertainty,
 )
+
+
+def written_by(path: Path) -> dict:
+    """The commit that last wrote a summary into the repository (its search ran on the code just before it),
+    or "uncommitted" while the file differs from HEAD: rows of other code versions say which."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=path.parent)
+    if git("diff", "--quiet", "HEAD", "--", path.name).returncode != 0 or git("ls-files", "--error-unmatch", path.name).returncode:
+        return {"commit": "uncommitted"}
+    commit, _, date = git("log", "-1", "--format=%h %cs", "--", path.name).stdout.strip().partition(" ")
+    return {"commit": commit or "unknown", "date": date or None}
 
 
 def with_rescored_scores(studies: dict, predictions: Path) -> dict:
@@ -69,12 +82,14 @@ def main() -> None:
     params = load_params()
     tasks = enabled_tasks(params)
     anchors = list(get(params, "compare.anchors"))
-    studies = {}
+    studies, sources = {}, {}
     for anchor in anchors:
         for method in COMPARED[1:]:
             path = Path(args.studies) / f"{anchor}_{method}.json"
             if path.exists():
                 studies[(anchor, method)] = json.loads(path.read_text())
+                sources[(anchor, method)] = {"summary": str(path), **written_by(path),
+                                             "search": search_of(studies[(anchor, method)])}
     if not studies:
         raise SystemExit(f"compare_tuned: no <anchor>_<method>.json summaries in {args.studies} "
                          f"(anchors {anchors}, methods {list(COMPARED[1:])})")
@@ -99,7 +114,7 @@ def main() -> None:
                                     n_resamples=args.resamples, seed=int(get(params, "seed")))
     except ValueError as err:
         raise SystemExit(f"compare_tuned: {args.predictions}: {err}") from None
-    rows = measured.rows
+    rows = [dataclasses.replace(r, source=sources.get((r.anchor, r.method))) for r in measured.rows]
     resolved = {split: detectable(rows, models, correct[split]) for split in ("dev", "test")}
     Path(args.significance).write_text(significance_markdown(measured, resolved, tasks))
     chosen = {k: dict(zip(("anchor", "method"), measured.selection[k]["chosen"].split("/"))) for k in ("overall", "featcal")}

@@ -176,3 +176,32 @@ def test_every_row_gets_its_paired_interval_its_difference_to_the_anchors_best_a
         with_uncertainty(rows, models, scores(experts), wrong, dev, n_resamples=50)
     with pytest.raises(ValueError, match="row ties/featcal: no dev predictions"):
         with_uncertainty(rows, models, scores(experts), test, {"s": dev_s}, n_resamples=50)
+
+
+def test_a_row_names_the_commit_that_wrote_its_summary_and_how_its_study_searched(tmp_path):
+    """Rows measured by other code versions (or other searches) sit in one table: each says which."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
+    from compare_tuned import written_by
+    from featcal.tuning.comparison import search_of
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    path = tmp_path / "ta_featcal.json"
+    path.write_text("{}")
+    assert written_by(path) == {"commit": "uncommitted"}
+    git("add", path.name)
+    git("commit", "-q", "-m", "a study")
+    head = subprocess.run(["git", "log", "-1", "--format=%h"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    assert written_by(path)["commit"] == head and written_by(path)["date"]
+    path.write_text('{"changed": 1}')
+    assert written_by(path) == {"commit": "uncommitted"}
+    reduced = {"trial_examples_per_task": 32, "trial_product_dtype": "float32", "rerank": {"top_k": 5}}
+    assert search_of(reduced) == {"trial_examples_per_task": 32, "trial_product_dtype": "float32", "rerank_top_k": 5}
+    assert search_of({}) == {"trial_examples_per_task": None, "trial_product_dtype": "float64", "rerank_top_k": 0}

@@ -37,6 +37,7 @@ class ComparisonRow:
     vs_best: dict | None = None            # test difference to its anchor's best row: {"best", "difference",
                                            # "ci95", "significant"} (`with_uncertainty`)
     rescored: bool = False                 # the scores are the rebuilt model's, not the study's (code changed since)
+    source: dict | None = None             # the summary's file, the commit that wrote it, its search (`search_of`)
 
 
 def gap(value: float, anchor: float, experts: float) -> float | None:
@@ -100,6 +101,14 @@ def deployed_dev(summary: Mapping) -> float:
     rung) the rebuilt model's (`rescored_dev`), which is not the trial's searched score; else the best trial's."""
     rescored = summary.get("rescored_dev") or {}
     return float(rescored["dev"] if "dev" in rescored else summary["best"]["dev_avg"])
+
+
+def search_of(summary: Mapping) -> dict:
+    """How a study searched: its trials' examples a task (None: every example), their product dtype and
+    its rung (0: none): rows searched differently are marked so, not silently put side by side."""
+    return {"trial_examples_per_task": summary.get("trial_examples_per_task"),
+            "trial_product_dtype": summary.get("trial_product_dtype") or "float64",
+            "rerank_top_k": int((summary.get("rerank") or {}).get("top_k", 0))}
 
 
 def search_seconds(summary: Mapping) -> float:
