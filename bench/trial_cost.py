@@ -10,7 +10,11 @@ trial's dev score must equal the one the study recorded (the replay is the trial
 task_arithmetic --rescore` (or the study run) first, for the anchor's merge folder under work/anchors.
 Figures go to results/bench.json (`trial_cost`). Run on an otherwise idle machine:
 
-    python bench/trial_cost.py --trials 3 [--trial-product-dtype float32]
+    python bench/trial_cost.py --trials 3 [--trial-product-dtype float32] [--on-disk]
+
+`--on-disk` replays them once more with every block past the memory bound (1 byte), so on disk
+(`featcal.calibration.spill.BlockSpill`, in params' cache.dtype and cache.compressor), as a model whose
+experts' side does not fit in `tune.expert_cache_mib` runs.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ sys.path.insert(0, str(ROOT / "stages"))
 from common import enabled_tasks, get, load_params, max_length  # noqa: E402
 
 from featcal.calibration.calibrate import ExpertInputCache  # noqa: E402
+from featcal.calibration.spill import BlockSpill  # noqa: E402
+from featcal.io.feature_store import StoreFormat  # noqa: E402
 from featcal.calibration.config import FeatCalConfig  # noqa: E402
 from featcal.profiling import phase_times  # noqa: E402
 from featcal.tuning import DEFAULT_EXPERT_CACHE_MIB, AnchorSearch, Range, load_problem  # noqa: E402
@@ -54,6 +60,8 @@ def main() -> None:
     parser.add_argument("--out", default="results/bench.json")
     parser.add_argument("--trial-product-dtype", choices=["float32"],
                         help="also replay with the reduced-precision search's moment products (and the cache)")
+    parser.add_argument("--on-disk", action="store_true",
+                        help="also replay with every block of the cache on disk (its spill), not in memory")
     parser.add_argument("--expert-cache-mib", type=int, default=DEFAULT_EXPERT_CACHE_MIB,
                         help="the bound of the cached run's expert input cache")
     args = parser.parse_args()
@@ -74,13 +82,21 @@ def main() -> None:
     if args.trial_product_dtype:   # a cache of its own: the float64 one is let go first
         runs.append((f"cached_{args.trial_product_dtype}", True,
                      dataclasses.replace(base, product_dtype=args.trial_product_dtype)))
+    if args.on_disk:
+        runs.append(("on_disk", True, base))
     cached_runs = {}   # mode -> what a cached run held and how its later trials compare
     for mode, cached, config in runs:
-        problem.expert_inputs = ExpertInputCache(int(args.expert_cache_mib) * 2**20) if cached else None
+        problem.expert_inputs = None   # the last run's cache let go before the next one fills
+        if mode == "on_disk":
+            fmt = StoreFormat(get(params, "cache.dtype", "float32"), get(params, "cache.compressor", "zstd"))
+            problem.expert_inputs = ExpertInputCache(1, BlockSpill(fmt=fmt))
+        elif cached:
+            problem.expert_inputs = ExpertInputCache(int(args.expert_cache_mib) * 2**20)
         print(f"-- {mode}", flush=True)
         modes[mode] = [replay(problem, config, anchor, trial) for trial in trials]
         if cached:
-            cached_runs[mode] = {"expert_inputs_mib": round(problem.expert_inputs.nbytes / 2**20, 1)}
+            cached_runs[mode] = {"expert_inputs_mib": round(problem.expert_inputs.nbytes / 2**20, 1),
+                                 "expert_inputs_disk_mib": round(problem.expert_inputs.disk_nbytes / 2**20, 1)}
     mean = {m: {k: round(statistics.fmean(r[k] for r in rows), 2) for k in ("merge_s", "calibrate_s", "score_s", "total_s")}
             for m, rows in modes.items()}
     uncached_s = statistics.fmean(r["total_s"] for r in modes["uncached"])
@@ -90,7 +106,8 @@ def main() -> None:
                    later_trial_over_uncached=round(statistics.fmean(r["total_s"] for r in later) / uncached_s, 3))
     print(f"setup (once per study): {setup_s:.1f} s; per trial, mean of {len(trials)}: {mean}")
     for mode, run in cached_runs.items():
-        print(f"{mode}: expert input cache {run['expert_inputs_mib']} MiB; a trial after the first / a trial "
+        print(f"{mode}: expert input cache {run['expert_inputs_mib']} MiB in memory, {run['expert_inputs_disk_mib']} MiB "
+              "on disk; a trial after the first / a trial "
               f"without the cache: {run['later_trial_over_uncached']:.3f}"
               + ("" if mode == "cached" else " (dev scores: float32 products', against the study's float64 ones)"))
     merge_json(Path(args.out), {"trial_cost": {

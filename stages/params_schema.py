@@ -332,6 +332,8 @@ class Tune(Section):
     trial_examples_per_task: Optional[integer(1)] = None   # trials' calibration examples per task; the best: all
     rerank_top_k: integer(0) = 0   # a reduced search's K best trials recalibrated exactly; the best of those leaves
     expert_cache_mib: Optional[integer(0)] = 8192   # the experts' captured block inputs kept for later trials; 0 off
+    expert_cache_disk_mib: Optional[integer(0)] = 32768   # the blocks past expert_cache_mib, on disk; 0 off
+    expert_cache_dir: OptionalText = None   # where that spill's temporary folder goes (None: the system's)
 
 
 class Evaluate(Section):

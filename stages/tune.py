@@ -26,7 +26,9 @@ from common import enabled_tasks, get, live_log, load_params, log_step, max_leng
 from params_schema import Tune as TuneParams
 
 from featcal.calibration.config import FeatCalConfig
+from featcal.calibration.spill import BlockSpill
 from featcal.evaluation.predictions import recording, write_predictions
+from featcal.io.feature_store import StoreFormat
 from featcal.io.models import write_json
 from featcal.tuning import (
     DEFAULT_EXPERT_CACHE_MIB, SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem,
@@ -151,6 +153,17 @@ def trials_so_far(storage: str, study_name: str) -> int:
     return n
 
 
+def expert_spill(params: dict, settings: dict, defaults: TuneParams) -> BlockSpill | None:
+    """Where a study's expert block inputs past `tune.expert_cache_mib` go: a temporary folder (under
+    `tune.expert_cache_dir`, else the system's) of at most `tune.expert_cache_disk_mib` (0: none), in
+    `cache.dtype` and `cache.compressor` as the collected states are."""
+    disk_mib = settings.get("expert_cache_disk_mib", defaults.expert_cache_disk_mib)
+    if disk_mib == 0 or settings.get("expert_cache_mib", defaults.expert_cache_mib) == 0:
+        return None
+    fmt = StoreFormat(get(params, "cache.dtype", "float32"), get(params, "cache.compressor", "zstd"))
+    return BlockSpill(settings.get("expert_cache_dir"), None if disk_mib is None else int(disk_mib) * 2**20, fmt)
+
+
 def anchor_search(params: dict):
     """`tune.anchor_search` (ranges of merge.method's own options) as an AnchorSearch; None when empty."""
     from featcal.merging import split_options
@@ -220,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
                                    batch_size=int(get(params, "calibration.batch_size")), merged=args.merged,
                                    experts_dir=args.experts, features=args.features,
                                    tasks_dir=get(params, "tasks_dir"), seed=int(get(params, "seed")),
-                                   expert_cache_mib=settings.get("expert_cache_mib", DEFAULT_EXPERT_CACHE_MIB))
+                                   expert_cache_mib=settings.get("expert_cache_mib", DEFAULT_EXPERT_CACHE_MIB),
+                                   expert_spill=expert_spill(params, settings, defaults))
             if args.method != "featcal":
                 return tune_baseline_and_report(problem, args, storage, study_name, n_trials, params, tasks, anchor)
             # the keys params.yaml gives; StudySettings' own defaults for the rest

@@ -156,7 +156,8 @@ def test_second_run_adds_only_the_new_trials(project, monkeypatch):
     # the stage keeps the experts' block inputs for later trials (tune.expert_cache_mib's default) and says how much
     assert before[0].user_attrs["expert_inputs_mib"] == before[1].user_attrs["expert_inputs_mib"] > 0
 
-    edit_params(project, tune__n_trials=4, tune__expert_cache_mib=0)   # off: the same trials, no cache
+    # every block past a 1 MiB memory bound: on disk (tune.expert_cache_dir), the same trials
+    edit_params(project, tune__n_trials=4, tune__expert_cache_mib=1, tune__expert_cache_dir=str(project / "spill"))
     second = run([*DVC, "repro", "tune"], project)
     assert stages_run(second) == {"tune@dev"}, second
     assert "ran 2 new trials [2, 3]" in second, second
@@ -164,7 +165,9 @@ def test_second_run_adds_only_the_new_trials(project, monkeypatch):
     assert len(after) == 4 and all(t.state == TrialState.COMPLETE for t in after)
     for old, new in zip(before, after):                       # the first two were not run again
         assert (old.params, old.value, old.datetime_start) == (new.params, new.value, new.datetime_start)
-    assert all("expert_inputs_mib" not in t.user_attrs for t in after[2:])
+    # the blocks that fit in the 1 MiB (of the 1.3 the tiny project's take) in memory, the others on disk
+    assert all(t.user_attrs["expert_inputs_mib"] <= 1 and t.user_attrs["expert_inputs_disk_mib"] > 0 for t in after[2:])
+    assert list((project / "spill").iterdir()) == []   # the study's folder went when the stage ended
     summary = json.loads((project / "results/tune.json").read_text())
     assert summary["trials"]["complete"] == 4 and summary["ran_now"] == 2 and summary["trial_wall_s"]["mean"] > 0
 

@@ -17,6 +17,7 @@ from featcal.calibration.layerwise import calibrate_cached_layer, collect_expert
 from featcal.calibration.lazy import calibrate_lazy, LazyWeights
 from featcal.merging.lazy import lazy_merge
 from featcal.io.feature_store import StoreFormat, read_group, write_group
+from featcal.calibration.spill import BlockSpill
 from featcal.tuning import TuneProblem
 from featcal.calibration.walk import ModuleWeights, walk_all
 from conftest import batches_for, perturbed, save_models, tiny_bert, tiny_causal_lm, tiny_mpnet, tiny_t5, with_eos
@@ -205,7 +206,8 @@ def test_a_stage_lets_go_of_each_experts_and_the_bases_linear_weights_once_they_
 @pytest.mark.parametrize("case", ["saved", "saved_t5", "saved_mpnet"])
 def test_a_study_captures_the_experts_block_inputs_once_and_later_trials_read_them(request, case, monkeypatch):
     """The experts' side of every block is the same in every trial: the first trial captures it, the
-    others run no expert forward and give the weights a problem without the cache gives, bit for bit."""
+    others run no expert forward and give the weights a problem without the cache gives, bit for bit;
+    also when every block is past the memory bound and goes to disk (a `BlockSpill`)."""
     saved = request.getfixturevalue(case)
     batches = saved["batches"]
     expert_layers = list(collect_expert_layers({t: saved["root"] / t for t in saved["experts"]}, batches))
@@ -215,25 +217,37 @@ def test_a_study_captures_the_experts_block_inputs_once_and_later_trials_read_th
                            None, **kwargs)
 
     cached, uncached, bounded = problem(), problem(expert_cache_bytes=0), problem(expert_cache_bytes=1)
+    spilled = problem(expert_cache_bytes=1, expert_spill=BlockSpill())
     assert uncached.expert_inputs is None
     calls = []
     real = calibrate_step.run_capturing
     monkeypatch.setattr(calibrate_step, "run_capturing", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     n_blocks = len(family_for(saved["merged"]).blocks(saved["merged"]))
     per_walk = n_blocks * sum(len(b) for b in batches.values())   # one capture per block, task and batch
-    expert_runs = []
+    expert_runs, spilled_runs = [], []
     for alpha, products in [(0.5, "float64"), (0.8, "float64"), (0.2, "float64"), (0.8, "float32"), (0.3, "float32")]:
         config = FeatCalConfig(alpha=alpha, calibrate_pooler=True, product_dtype=products)
         calls.clear()
         got = cached.calibrate(config).state_dict()
         experts = list(cached.weights.experts.values())
         expert_runs.append(sum(any(b is e for e in experts) for b in calls))
+        calls.clear()
+        on_disk = spilled.calibrate(config).state_dict()
+        spilled_runs.append(sum(any(b is e for e in spilled.weights.experts.values()) for b in calls))
         want, capped = uncached.calibrate(config).state_dict(), bounded.calibrate(config).state_dict()
         for name in want:
             assert torch.equal(got[name], want[name]), f"alpha {alpha} {products}: {name}"
             assert torch.equal(capped[name], want[name]), f"bounded cache, alpha {alpha} {products}: {name}"
+            assert torch.equal(on_disk[name], want[name]), f"spilled cache, alpha {alpha} {products}: {name}"
     # each precision captures once (a float64 walk keeps its W x rows in float64), then reads
-    assert expert_runs == [per_walk, 0, 0, per_walk, 0]
+    assert expert_runs == spilled_runs == [per_walk, 0, 0, per_walk, 0]
+    held = spilled.expert_inputs
+    assert len(held) == 0 and not held.skipped and held.disk_nbytes > 0 and held.nbytes == 0
+    assert all(held.holds(k, d) for k in range(n_blocks) for d in (torch.float64, torch.float32))
+    folder = held.spill.folder
+    assert len(list(folder.glob("block-*.zarr"))) == 2 * n_blocks
+    held.spill.close()
+    assert not folder.exists() and not held.holds(0, torch.float64)
     assert len(cached.expert_inputs) == 2 * n_blocks and cached.expert_inputs.nbytes > 0
     assert len(bounded.expert_inputs) == 0 and bounded.expert_inputs.skipped == set(range(n_blocks))
 

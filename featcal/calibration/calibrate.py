@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, MutableMapping, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from featcal.calibration.config import FeatCalConfig, LayerHyper
 from featcal.calibration.moments import LinearMoments, Moments, NormMoments, host_count
 from featcal.profiling import phase, trim_heap
 from featcal.io.checkpoints import module_prefix
+
+if TYPE_CHECKING:
+    from featcal.calibration.spill import BlockSpill
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +97,15 @@ class ExpertInputCache:
     A tuning study's trials walk the same experts over the same calibration batches, so the experts'
     side of every block is the same in every trial: captured in the first walk, read in the others
     (`calibrate_block`). Keyed by block and product dtype (a float64 walk keeps its W x rows in
-    float64). `max_bytes` bounds what is held; a block that would pass it is not kept, and its
-    experts run in every walk. `nbytes`: the memory held (distinct storages). `for_examples(n)`: a
-    view of the same store (same bound) for walks over each task's first `n` calibration examples.
+    float64). `max_bytes` bounds what is held in memory; a block that would pass it goes to `spill`
+    (a `BlockSpill`: on disk, read back in each walk) or, without one or past the spill's own bound,
+    is not kept, and its experts run in every walk. `nbytes`: the memory held (distinct storages);
+    `disk_nbytes`: the spill's. `for_examples(n)`: a view of the same store (same bounds) for walks
+    over each task's first `n` calibration examples.
     """
 
-    def __init__(self, max_bytes: int | None = None):
-        self._max_bytes, self._nbytes = max_bytes, 0
+    def __init__(self, max_bytes: int | None = None, spill: BlockSpill | None = None):
+        self._max_bytes, self._nbytes, self._spill = max_bytes, 0, spill
         self._skipped: set[int] = set()
         self._blocks: dict[tuple, dict[str, list[dict[str, Tensor]]]] = {}
         self._root, self._part = self, None
@@ -114,6 +119,14 @@ class ExpertInputCache:
         return self._root._nbytes
 
     @property
+    def spill(self) -> BlockSpill | None:
+        return self._root._spill
+
+    @property
+    def disk_nbytes(self) -> int:
+        return 0 if self.spill is None else self.spill.nbytes
+
+    @property
     def skipped(self) -> set[int]:
         return self._root._skipped
 
@@ -125,17 +138,26 @@ class ExpertInputCache:
         view._root, view._part = self._root, n
         return view
 
+    def holds(self, index: int, dtype: torch.dtype) -> bool:
+        key = (index, dtype, self._part)
+        return key in self._root._blocks or (self.spill is not None and self.spill.holds(key))
+
     def get(self, index: int, dtype: torch.dtype) -> dict[str, list[dict[str, Tensor]]] | None:
-        return self._root._blocks.get((index, dtype, self._part))
+        key = (index, dtype, self._part)
+        if key in self._root._blocks:
+            return self._root._blocks[key]
+        return self.spill.read(key) if self.spill is not None and self.spill.holds(key) else None
 
     def put(self, index: int, dtype: torch.dtype, captured: dict[str, list[dict[str, Tensor]]]) -> None:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for batches in captured.values() for batch in batches for t in batch.values()}
         size = sum(storages.values())
+        key = (index, dtype, self._part)
         if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
-            self.skipped.add(index)
+            if self.spill is None or not self.spill.write(key, captured):
+                self.skipped.add(index)
             return
-        self._root._blocks[(index, dtype, self._part)] = captured
+        self._root._blocks[key] = captured
         self._root._nbytes += size
 
     def __len__(self) -> int:

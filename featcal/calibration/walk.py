@@ -262,7 +262,7 @@ def walk(
     out = WalkResult(student=student_in)
     for index in tqdm(range(start, stop), desc=desc, unit="layer", disable=not progress):
         with weights.block(index) as (base_bb, expert_bbs):
-            held = expert_inputs is not None and expert_inputs.get(index, config.products) is not None
+            held = expert_inputs is not None and expert_inputs.holds(index, config.products)
             expert_in = {} if held else experts.at(index, out.student, expert_bbs)
             result = calibrate_block(
                 family, index, student, base_bb, expert_bbs, out.student, expert_in, config,

@@ -27,6 +27,7 @@ from optuna.trial import Trial
 from torch import Tensor, nn
 
 from featcal.calibration.calibrate import ExpertInputCache
+from featcal.calibration.spill import BlockSpill
 from featcal.calibration.config import FeatCalConfig, HYPER_KEYS
 from featcal.data.splits import TaskSplit, arrays_by_task, batches_from_arrays, read_split
 from featcal.evaluation.scoring import score_backbone
@@ -212,7 +213,8 @@ class TuneProblem:
     """Everything a trial needs, loaded once: the merged backbone (never modified), the base, the
     experts, the calibration batches, the experts' cached states per block, their module inputs per
     block once a trial has captured them (`expert_cache_bytes` bounds that memory, 8 GiB by default;
-    None unbounded, 0 off) and the dev splits;
+    None unbounded, 0 off; the blocks past it go to `expert_spill`, a `BlockSpill` on disk, where given)
+    and the dev splits;
     `train_batches(n)` gives a data anchor (RegMean inside SigMerge) the merge stage's train sample."""
 
     def __init__(
@@ -227,6 +229,7 @@ class TuneProblem:
         family: Family | None = None,
         train_batches: Callable[[int], Mapping[str, Sequence[Mapping[str, Tensor]]]] | None = None,
         expert_cache_bytes: int | None = DEFAULT_EXPERT_CACHE_MIB * 2**20,
+        expert_spill: BlockSpill | None = None,
     ):
         self.family = family or family_for(merged)
         self.merged = self.family.backbone(merged).eval()
@@ -248,7 +251,7 @@ class TuneProblem:
         self._train_batches = train_batches               # n -> each task's first n train examples, batched
         self._train_of: dict[int, Mapping[str, Sequence[Mapping[str, Tensor]]]] = {}
         # the experts' module inputs of every block, captured in the first trial (None: every trial runs them)
-        self.expert_inputs = ExpertInputCache(expert_cache_bytes) if expert_cache_bytes != 0 else None
+        self.expert_inputs = ExpertInputCache(expert_cache_bytes, expert_spill) if expert_cache_bytes != 0 else None
         self._leading: dict[int, dict[str, list[dict[str, Tensor]]]] = {}   # n -> each task's first n examples
 
     def states(self, layer: int) -> Mapping[str, Tensor]:
@@ -437,11 +440,13 @@ def load_problem(
     *, base: str, tasks: Sequence[str], max_length: Mapping[str, int], batch_size: int,
     merged: str | os.PathLike, experts_dir: str | os.PathLike, features: str | os.PathLike,
     tasks_dir: str | os.PathLike, seed: int = 0, expert_cache_mib: int | None = DEFAULT_EXPERT_CACHE_MIB,
+    expert_spill: BlockSpill | None = None,
 ) -> TuneProblem:
     """Load a problem from files: `merged` (multi-task folder), `experts_dir/<task>`, the
     expert-feature caches `features/{inputs,layer_XX}.zarr` and `tasks_dir/<task>/dev.parquet`;
     a data anchor's train batches are the merge stage's (`tasks_dir`'s train split, `seed`).
-    `expert_cache_mib`: the memory the experts' captured block inputs may take (TuneProblem)."""
+    `expert_cache_mib`: the memory the experts' captured block inputs may take, `expert_spill` where
+    the blocks past it go (TuneProblem)."""
     features = Path(features)
     encoder = load_encoder(str(merged))
     inputs = read_group(features / "inputs.zarr")
@@ -472,7 +477,8 @@ def load_problem(
     experts = {t: load_classifier(str(Path(experts_dir) / t)) for t in tasks}
     return TuneProblem(load_backbone(str(merged)), load_backbone(base, like=experts[tasks[0]]), experts,
                        batches, expert_states, dev, encoder, train_batches=train_batches,
-                       expert_cache_bytes=None if expert_cache_mib is None else int(expert_cache_mib) * 2**20)
+                       expert_cache_bytes=None if expert_cache_mib is None else int(expert_cache_mib) * 2**20,
+                       expert_spill=expert_spill)
 
 
 # --- the objective -------------------------------------------------------------------------------------
@@ -508,6 +514,8 @@ def make_objective(problem: TuneProblem, space: SearchSpace, base: FeatCalConfig
         trial.set_user_attr("calibrate_s", round(time.perf_counter() - start, 3))
         if problem.expert_inputs is not None:   # the memory the experts' side takes, once captured
             trial.set_user_attr("expert_inputs_mib", round(problem.expert_inputs.nbytes / 2**20, 1))
+            if problem.expert_inputs.disk_nbytes:
+                trial.set_user_attr("expert_inputs_disk_mib", round(problem.expert_inputs.disk_nbytes / 2**20, 1))
         start = time.perf_counter()
         scores = problem.score(backbone)
         trial.set_user_attr("score_s", round(time.perf_counter() - start, 3))

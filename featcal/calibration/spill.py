@@ -1,0 +1,105 @@
+"""The experts' captured block inputs past an `ExpertInputCache`'s memory bound, on disk (zarr).
+
+A base-size model's experts' side of a study does not fit in memory (all-mpnet-base-v2's would take
+~17 GiB): rather than run those blocks' expert forwards in every trial, the first trial writes them to
+a temporary folder, one zarr group a block, and later trials read them back. The module inputs are
+stored in the cache's dtype where it is narrower than theirs (bfloat16 or float16; the experts' inputs
+are then rounded as `cache.dtype` rounds the collected states); the W x rows, the products a trial's
+cross sums are formed from, are stored as they are (float64 in an exact walk). Tensors a batch shares
+(one input read by the query, key and value projections) are stored once and read back as one tensor,
+so the moments' shared products are formed once, as from memory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from featcal.io.feature_store import STORAGE_DTYPES, StoreFormat, read_attrs, read_group, write_group
+
+Captured = dict[str, list[dict[str, Tensor]]]   # task -> batches -> module name -> its input (or W x rows)
+
+LAYOUT_ATTR = "layout"   # [[task, per batch {module name: [array index, its torch dtype]}], ...]
+
+
+def exact_key(name: str) -> bool:
+    """The W x rows (`calibrate.projected_key`): the products themselves, never narrowed."""
+    return name.endswith(":W x")
+
+
+class BlockSpill:
+    """Blocks of captured expert inputs kept in a temporary folder (under `root`, or the system's),
+    removed by `close()` or when the spill is collected. `max_bytes` bounds the disk they take (None:
+    unbounded); a block that would pass it is not written. `nbytes`: the bytes on disk."""
+
+    def __init__(self, root: str | Path | None = None, max_bytes: int | None = None, fmt: StoreFormat = StoreFormat()):
+        if root is not None:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        self.folder = Path(tempfile.mkdtemp(prefix="featcal-expert-inputs-", dir=root))
+        self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self._narrow = None if fmt.dtype is None else STORAGE_DTYPES[fmt.dtype]
+        self._fmt = StoreFormat(None, fmt.compressor, fmt.level)   # narrowing is chosen here, per tensor
+        self._groups: dict[tuple, Path] = {}
+
+    def _stored(self, name: str, tensor: Tensor) -> Tensor:
+        narrower = (self._narrow is not None and not exact_key(name) and tensor.is_floating_point()
+                    and self._narrow.itemsize < tensor.element_size())
+        return tensor.to(self._narrow) if narrower else tensor
+
+    def write(self, key: tuple, captured: Captured) -> bool:
+        """Write one block's captured inputs under `key`; False (nothing kept) past the disk bound."""
+        arrays: dict[str, Tensor] = {}
+        layout: list[list] = []
+        for t, (task, batches) in enumerate(captured.items()):
+            layout.append([task, []])
+            for b, batch in enumerate(batches):
+                index_of: dict[tuple, int] = {}   # one array per distinct tensor of the batch
+                entry = {}
+                for name, tensor in batch.items():
+                    identity = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+                    if identity not in index_of:
+                        index_of[identity] = len(index_of)
+                        arrays[f"t{t}/b{b}/a{index_of[identity]}"] = self._stored(name, tensor)
+                    entry[name] = [index_of[identity], str(tensor.dtype).removeprefix("torch.")]
+                layout[-1][1].append(entry)
+        path = self.folder / f"block-{len(self._groups):03d}.zarr"
+        write_group(path, arrays, attrs={LAYOUT_ATTR: layout}, fmt=self._fmt)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
+            shutil.rmtree(path)
+            return False
+        self._groups[key] = path
+        self.nbytes += size
+        return True
+
+    def holds(self, key: tuple) -> bool:
+        return key in self._groups
+
+    def read(self, key: tuple) -> Captured:
+        """The block's captured inputs as written (in their own dtypes; shared tensors shared again)."""
+        path = self._groups[key]
+        arrays = read_group(path)
+        out: Captured = {}
+        for t, (task, batches) in enumerate(read_attrs(path)[LAYOUT_ATTR]):
+            out[task] = []
+            for b, entry in enumerate(batches):
+                restored: dict[int, Tensor] = {}
+                batch = {}
+                for name, (i, dtype) in entry.items():
+                    if i not in restored:
+                        restored[i] = arrays[f"t{t}/b{b}/a{i}"].to(getattr(torch, dtype))
+                    batch[name] = restored[i]
+                out[task].append(batch)
+        return out
+
+    def close(self) -> None:
+        """Remove the folder (and everything written to it)."""
+        self._groups.clear()
+        self.nbytes = 0
+        self._remove()
