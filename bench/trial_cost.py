@@ -13,7 +13,7 @@ Figures go to results/bench.json (`trial_cost`). Run on an otherwise idle machin
     python bench/trial_cost.py --trials 3 [--trial-product-dtype float32] [--on-disk]
 
 `--on-disk` replays them once more with every block past the memory bound (1 byte), so on disk
-(`featcal.calibration.spill.BlockSpill`, in params' cache.dtype and cache.compressor), as a model whose
+(`featcal.calibration.spill.BlockSpill`, in params' cache.dtype), as a model whose
 experts' side does not fit in `tune.expert_cache_mib` runs.
 """
 
@@ -40,7 +40,6 @@ from common import enabled_tasks, get, load_params, max_length  # noqa: E402
 
 from featcal.calibration.calibrate import ExpertInputCache  # noqa: E402
 from featcal.calibration.spill import BlockSpill  # noqa: E402
-from featcal.io.feature_store import StoreFormat  # noqa: E402
 from featcal.calibration.config import FeatCalConfig  # noqa: E402
 from featcal.profiling import phase_times  # noqa: E402
 from featcal.tuning import DEFAULT_EXPERT_CACHE_MIB, AnchorSearch, Range, load_problem  # noqa: E402
@@ -88,8 +87,7 @@ def main() -> None:
     for mode, cached, config in runs:
         problem.expert_inputs = None   # the last run's cache let go before the next one fills
         if mode == "on_disk":
-            fmt = StoreFormat(get(params, "cache.dtype", "float32"), get(params, "cache.compressor", "zstd"))
-            problem.expert_inputs = ExpertInputCache(1, BlockSpill(fmt=fmt))
+            problem.expert_inputs = ExpertInputCache(1, BlockSpill(dtype=get(params, "cache.dtype", "float32")))
         elif cached:
             problem.expert_inputs = ExpertInputCache(int(args.expert_cache_mib) * 2**20)
         print(f"-- {mode}", flush=True)
@@ -109,7 +107,7 @@ def main() -> None:
         print(f"{mode}: expert input cache {run['expert_inputs_mib']} MiB in memory, {run['expert_inputs_disk_mib']} MiB "
               "on disk; a trial after the first / a trial "
               f"without the cache: {run['later_trial_over_uncached']:.3f}"
-              + ("" if mode == "cached" else " (dev scores: float32 products', against the study's float64 ones)"))
+              + (" (dev scores: float32 products', against the study's float64 ones)" if "float32" in mode else ""))
     merge_json(Path(args.out), {"trial_cost": {
         "command": shlex.join(["python", *sys.argv]), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(), "study": STUDY, "setup_s": round(setup_s, 2), "mean": mean["uncached"],

@@ -28,7 +28,6 @@ from params_schema import Tune as TuneParams
 from featcal.calibration.config import FeatCalConfig
 from featcal.calibration.spill import BlockSpill
 from featcal.evaluation.predictions import recording, write_predictions
-from featcal.io.feature_store import StoreFormat
 from featcal.io.models import write_json
 from featcal.tuning import (
     DEFAULT_EXPERT_CACHE_MIB, SearchSpace, StudyMismatchError, StudySettings, StudyStorageError, load_problem,
@@ -155,13 +154,13 @@ def trials_so_far(storage: str, study_name: str) -> int:
 
 def expert_spill(params: dict, settings: dict, defaults: TuneParams) -> BlockSpill | None:
     """Where a study's expert block inputs past `tune.expert_cache_mib` go: a temporary folder (under
-    `tune.expert_cache_dir`, else the system's) of at most `tune.expert_cache_disk_mib` (0: none), in
-    `cache.dtype` and `cache.compressor` as the collected states are."""
+    `tune.expert_cache_dir`, else the system's) of at most `tune.expert_cache_disk_mib` (0: none), the
+    inputs in `cache.dtype` where it is narrower, as the collected states are."""
     disk_mib = settings.get("expert_cache_disk_mib", defaults.expert_cache_disk_mib)
     if disk_mib == 0 or settings.get("expert_cache_mib", defaults.expert_cache_mib) == 0:
         return None
-    fmt = StoreFormat(get(params, "cache.dtype", "float32"), get(params, "cache.compressor", "zstd"))
-    return BlockSpill(settings.get("expert_cache_dir"), None if disk_mib is None else int(disk_mib) * 2**20, fmt)
+    return BlockSpill(settings.get("expert_cache_dir"), None if disk_mib is None else int(disk_mib) * 2**20,
+                      get(params, "cache.dtype", "float32"))
 
 
 def anchor_search(params: dict):

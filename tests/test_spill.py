@@ -2,11 +2,11 @@
 
 import gc
 
+import pytest
 import torch
 
 from featcal.calibration.calibrate import ExpertInputCache, projected_key
 from featcal.calibration.spill import BlockSpill
-from featcal.io.feature_store import StoreFormat
 
 
 def captured_block(seed: int = 0) -> dict:
@@ -24,7 +24,7 @@ def captured_block(seed: int = 0) -> dict:
 
 def test_a_spilled_block_reads_back_as_captured_shared_tensors_shared_and_the_cache_dtype_narrowing_inputs_only(tmp_path):
     block = captured_block()
-    exact = BlockSpill(tmp_path / "spill", fmt=StoreFormat(None, "zstd"))
+    exact = BlockSpill(tmp_path / "spill")
     assert exact.folder.parent == tmp_path / "spill" and exact.folder.name.startswith("featcal-expert-inputs-")
     assert exact.write((0, torch.float64, None), block) and exact.holds((0, torch.float64, None))
     assert not exact.holds((1, torch.float64, None)) and exact.nbytes > 0
@@ -37,7 +37,7 @@ def test_a_spilled_block_reads_back_as_captured_shared_tensors_shared_and_the_ca
                 assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), (task, name)
             assert got["q"] is got["k"] is got["v"] and got["out"] is not got["q"]
 
-    narrow = BlockSpill(tmp_path, fmt=StoreFormat("float16", "none"))
+    narrow = BlockSpill(tmp_path, dtype="float16")
     assert narrow.write((0, torch.float64, None), block)
     got = narrow.read((0, torch.float64, None))["a"][0]
     want = block["a"][0]
@@ -45,6 +45,9 @@ def test_a_spilled_block_reads_back_as_captured_shared_tensors_shared_and_the_ca
     assert not torch.equal(got["q"], want["q"])
     assert torch.equal(got[projected_key("out")], want[projected_key("out")])   # the products stay exact
     assert narrow.nbytes < exact.nbytes
+    with pytest.raises(ValueError, match="storage dtype 'int8'"):
+        BlockSpill(tmp_path / "refused", dtype="int8")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_the_disk_bound_keeps_what_fits_and_the_folder_goes_with_the_spill(tmp_path):

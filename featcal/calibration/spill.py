@@ -5,7 +5,9 @@ A base-size model's experts' side of a study does not fit in memory (all-mpnet-b
 a temporary folder, one zarr group a block, and later trials read them back. The module inputs are
 stored in the cache's dtype where it is narrower than theirs (bfloat16 or float16; the experts' inputs
 are then rounded as `cache.dtype` rounds the collected states); the W x rows, the products a trial's
-cross sums are formed from, are stored as they are (float64 in an exact walk). Tensors a batch shares
+cross sums are formed from, are stored as they are (float64 in an exact walk). Nothing is compressed:
+every later trial reads every block, and activations barely compress (zstd: 7.5 % smaller on the demo,
+twice the read time: docs/tuning.md); each chunk still carries its checksum. Tensors a batch shares
 (one input read by the query, key and value projections) are stored once and read back as one tensor,
 so the moments' shared products are formed once, as from memory.
 """
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor
 
 from featcal.io.feature_store import STORAGE_DTYPES, StoreFormat, read_attrs, read_group, write_group
+from featcal.profiling import phase
 
 Captured = dict[str, list[dict[str, Tensor]]]   # task -> batches -> module name -> its input (or W x rows)
 
@@ -35,16 +38,18 @@ def exact_key(name: str) -> bool:
 class BlockSpill:
     """Blocks of captured expert inputs kept in a temporary folder (under `root`, or the system's),
     removed by `close()` or when the spill is collected. `max_bytes` bounds the disk they take (None:
-    unbounded); a block that would pass it is not written. `nbytes`: the bytes on disk."""
+    unbounded); a block that would pass it is not written. `dtype`: a storage dtype (`cache.dtype`) the
+    inputs are narrowed to where it is narrower. `nbytes`: the bytes on disk."""
 
-    def __init__(self, root: str | Path | None = None, max_bytes: int | None = None, fmt: StoreFormat = StoreFormat()):
+    def __init__(self, root: str | Path | None = None, max_bytes: int | None = None, dtype: str | None = None):
+        StoreFormat(dtype)   # an unknown dtype is refused before any folder is made, naming the choices
+        self._narrow = None if dtype is None else STORAGE_DTYPES[dtype]
         if root is not None:
             Path(root).mkdir(parents=True, exist_ok=True)
         self.folder = Path(tempfile.mkdtemp(prefix="featcal-expert-inputs-", dir=root))
         self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
         self.max_bytes, self.nbytes = max_bytes, 0
-        self._narrow = None if fmt.dtype is None else STORAGE_DTYPES[fmt.dtype]
-        self._fmt = StoreFormat(None, fmt.compressor, fmt.level)   # narrowing is chosen here, per tensor
+        self._fmt = StoreFormat(None, "none")   # narrowing is chosen here, per tensor
         self._groups: dict[tuple, Path] = {}
 
     def _stored(self, name: str, tensor: Tensor) -> Tensor:
@@ -69,7 +74,8 @@ class BlockSpill:
                     entry[name] = [index_of[identity], str(tensor.dtype).removeprefix("torch.")]
                 layout[-1][1].append(entry)
         path = self.folder / f"block-{len(self._groups):03d}.zarr"
-        write_group(path, arrays, attrs={LAYOUT_ATTR: layout}, fmt=self._fmt)
+        with phase("cache I/O"):
+            write_group(path, arrays, attrs={LAYOUT_ATTR: layout}, fmt=self._fmt)
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
             shutil.rmtree(path)
@@ -84,7 +90,8 @@ class BlockSpill:
     def read(self, key: tuple) -> Captured:
         """The block's captured inputs as written (in their own dtypes; shared tensors shared again)."""
         path = self._groups[key]
-        arrays = read_group(path)
+        with phase("cache I/O"):
+            arrays = read_group(path)
         out: Captured = {}
         for t, (task, batches) in enumerate(read_attrs(path)[LAYOUT_ATTR]):
             out[task] = []
