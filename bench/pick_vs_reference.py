@@ -6,8 +6,8 @@ as two numbers; both are means over ~1,300 dev examples, and the reference's is 
 This takes a study kept by `bench/study_cost.py --keep DIR` (DIR/featcal: its study.db and summary),
 rebuilds its dev-best model as `stages/tune_anchor.py --rescore` does (every example, `featcal.product_dtype`),
 writes that model's dev and test predictions and sets them against the reference's committed predictions
-(results/predictions/task_arithmetic-anchor-featcal.parquet: the protocol's TA + FeatCal study, trials
-on every example in float64): the paired bootstrap difference (pick − reference) of the mean task
+(results/predictions/full_search/task_arithmetic-anchor-featcal.parquet: the protocol's TA + FeatCal study
+until 12-07, trials on every example in float64, study task_arithmetic-anchor-featcal in results/dev_tuning/study.db): the paired bootstrap difference (pick − reference) of the mean task
 accuracy on dev and on test, 95 % intervals, the same resamples for both models (docs/uncertainty.md).
 Figures go to --out (default results/bench.json, `pick_vs_reference`):
 
@@ -30,7 +30,7 @@ from study_cost import run_tune_anchor  # noqa: E402
 from featcal.evaluation.bootstrap import difference_interval, resample_indices, task_sizes  # noqa: E402
 from featcal.evaluation.predictions import read_correctness  # noqa: E402
 
-REFERENCE = Path("results/predictions/task_arithmetic-anchor-featcal.parquet")
+REFERENCE = Path("results/predictions/full_search/task_arithmetic-anchor-featcal.parquet")
 
 
 def rescored_predictions(kept: Path, folder: Path) -> Path:

@@ -152,6 +152,15 @@ def searched_in_study(storage: str, study_name: str) -> dict:
     return out
 
 
+def absolute_storage(url: str | None) -> str | None:
+    """A sqlite URL with a relative file made absolute: the studies run from the anchor's folder, where
+    the same relative path would name another file (other backends as they are)."""
+    from featcal.tuning.study import sqlite_path
+
+    path = None if url is None else sqlite_path(url)
+    return url if path is None or path.is_absolute() else f"sqlite:///{path.resolve()}"
+
+
 def rescore(args: argparse.Namespace, params: dict) -> None:
     """Each finished study of the anchor again, no trial run: its dev-best model's dev and test
     predictions to --predictions, and whether the scores reproduce the summary's, in
@@ -254,6 +263,7 @@ def main() -> None:
     parser.add_argument("--predictions", default="results/predictions",
                         help="with --rescore: where the predictions (<study>.parquet, Parquet) are written")
     args = parser.parse_args()
+    args.storage = absolute_storage(args.storage)
     params = load_params()
     if args.rescore:
         return rescore(args, params)

@@ -820,3 +820,14 @@ def test_a_per_block_search_calibrates_each_block_with_its_own_value_and_writes_
     assert load_params(tmp_path / "best.yaml")["featcal"]["layer_overrides"] == wanted
     with pytest.raises(ValueError, match="no block 2; the model has 2 blocks"):
         tune.tune(problem, base, tune.SearchSpace.from_mapping({"alpha@2": [0, 1]}), storage, "per-block-2", 1)
+
+
+def test_tune_anchor_makes_a_relative_sqlite_storage_absolute_since_its_studies_run_in_the_anchors_folder(
+        tmp_path, monkeypatch):
+    import tune_anchor   # stages/tune_anchor.py
+
+    monkeypatch.chdir(tmp_path)
+    assert tune_anchor.absolute_storage("sqlite:///work/study.db") == f"sqlite:///{tmp_path / 'work/study.db'}"
+    assert tune_anchor.absolute_storage(f"sqlite:///{tmp_path}/s.db") == f"sqlite:///{tmp_path}/s.db"
+    for other in ("postgresql://featcal@db-host/optuna", "sqlite:///:memory:", None):
+        assert tune_anchor.absolute_storage(other) == other
