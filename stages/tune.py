@@ -157,8 +157,8 @@ def expert_spill(params: dict, settings: dict, defaults: TuneParams) -> BlockSpi
     `tune.expert_cache_dir`, else the system's) of at most `tune.expert_cache_disk_mib` (0: none), the
     inputs in `cache.dtype` where it is narrower, as the collected states are."""
     disk_mib = settings.get("expert_cache_disk_mib", defaults.expert_cache_disk_mib)
-    if disk_mib == 0 or settings.get("expert_cache_mib", defaults.expert_cache_mib) == 0:
-        return None
+    if disk_mib == 0 or settings.get("expert_cache_mib", defaults.expert_cache_mib) in (0, None):
+        return None   # no cache, or one without a memory bound: nothing goes to disk
     return BlockSpill(settings.get("expert_cache_dir"), None if disk_mib is None else int(disk_mib) * 2**20,
                       get(params, "cache.dtype", "float32"))
 

@@ -25,8 +25,10 @@ def captured_block(seed: int = 0) -> dict:
 def test_a_spilled_block_reads_back_as_captured_shared_tensors_shared_and_the_cache_dtype_narrowing_inputs_only(tmp_path):
     block = captured_block()
     exact = BlockSpill(tmp_path / "spill")
+    assert not (tmp_path / "spill").exists()   # no folder until a block goes to disk
+    assert exact.write((0, torch.float64, None), block)
     assert exact.folder.parent == tmp_path / "spill" and exact.folder.name.startswith("featcal-expert-inputs-")
-    assert exact.write((0, torch.float64, None), block) and exact.holds((0, torch.float64, None))
+    assert exact.holds((0, torch.float64, None))
     assert not exact.holds((1, torch.float64, None)) and exact.nbytes > 0
     back = exact.read((0, torch.float64, None))
     assert list(back) == ["a", "b"]

@@ -36,21 +36,28 @@ def exact_key(name: str) -> bool:
 
 
 class BlockSpill:
-    """Blocks of captured expert inputs kept in a temporary folder (under `root`, or the system's),
-    removed by `close()` or when the spill is collected. `max_bytes` bounds the disk they take (None:
+    """Blocks of captured expert inputs kept in a temporary folder (under `root`, or the system's; made
+    at the first block), removed by `close()` or when the spill is collected. `max_bytes` bounds the disk they take (None:
     unbounded); a block that would pass it is not written. `dtype`: a storage dtype (`cache.dtype`) the
     inputs are narrowed to where it is narrower. `nbytes`: the bytes on disk."""
 
     def __init__(self, root: str | Path | None = None, max_bytes: int | None = None, dtype: str | None = None):
         StoreFormat(dtype)   # an unknown dtype is refused before any folder is made, naming the choices
         self._narrow = None if dtype is None else STORAGE_DTYPES[dtype]
-        if root is not None:
-            Path(root).mkdir(parents=True, exist_ok=True)
-        self.folder = Path(tempfile.mkdtemp(prefix="featcal-expert-inputs-", dir=root))
-        self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self._root, self._folder, self._remove = root, None, None
         self.max_bytes, self.nbytes = max_bytes, 0
         self._fmt = StoreFormat(None, "none")   # narrowing is chosen here, per tensor
         self._groups: dict[tuple, Path] = {}
+
+    @property
+    def folder(self) -> Path:
+        """The temporary folder, made when first needed (a study whose blocks all fit in memory makes none)."""
+        if self._folder is None:
+            if self._root is not None:
+                Path(self._root).mkdir(parents=True, exist_ok=True)
+            self._folder = Path(tempfile.mkdtemp(prefix="featcal-expert-inputs-", dir=self._root))
+            self._remove = weakref.finalize(self, shutil.rmtree, self._folder, True)
+        return self._folder
 
     def _stored(self, name: str, tensor: Tensor) -> Tensor:
         narrower = (self._narrow is not None and not exact_key(name) and tensor.is_floating_point()
@@ -109,4 +116,5 @@ class BlockSpill:
         """Remove the folder (and everything written to it)."""
         self._groups.clear()
         self.nbytes = 0
-        self._remove()
+        if self._remove is not None:
+            self._remove()
