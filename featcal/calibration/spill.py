@@ -22,17 +22,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from featcal.io.feature_store import STORAGE_DTYPES, StoreFormat, read_attrs, read_group, write_group
+from featcal.io.feature_store import STORAGE_DTYPES, StoreFormat, read_group, write_group
 from featcal.profiling import phase
 
 Captured = dict[str, list[dict[str, Tensor]]]   # task -> batches -> module name -> its input (or W x rows)
-
-LAYOUT_ATTR = "layout"   # [[task, per batch {module name: [array index, its torch dtype]}], ...]
-
-
-def exact_key(name: str) -> bool:
-    """The W x rows (`calibrate.projected_key`): the products themselves, never narrowed."""
-    return name.endswith(":W x")
+Layout = list[tuple[str, list[dict[str, tuple[int, torch.dtype]]]]]   # per task, per batch: name -> (array, dtype)
+# `calibrate.projected_key`'s suffix: the W x rows, the products themselves, never narrowed (written here,
+# not imported: calibrate.py names this module as its cache's spill, and the package has no import circles)
+PROJECTED_SUFFIX = ":W x"
 
 
 class BlockSpill:
@@ -47,7 +44,7 @@ class BlockSpill:
         self._root, self._folder, self._remove = root, None, None
         self.max_bytes, self.nbytes = max_bytes, 0
         self._fmt = StoreFormat(None, "none")   # narrowing is chosen here, per tensor
-        self._groups: dict[tuple, Path] = {}
+        self._groups: dict[tuple, tuple[Path, Layout]] = {}
 
     @property
     def folder(self) -> Path:
@@ -60,16 +57,16 @@ class BlockSpill:
         return self._folder
 
     def _stored(self, name: str, tensor: Tensor) -> Tensor:
-        narrower = (self._narrow is not None and not exact_key(name) and tensor.is_floating_point()
+        narrower = (self._narrow is not None and not name.endswith(PROJECTED_SUFFIX) and tensor.is_floating_point()
                     and self._narrow.itemsize < tensor.element_size())
         return tensor.to(self._narrow) if narrower else tensor
 
     def write(self, key: tuple, captured: Captured) -> bool:
         """Write one block's captured inputs under `key`; False (nothing kept) past the disk bound."""
         arrays: dict[str, Tensor] = {}
-        layout: list[list] = []
+        layout: Layout = []
         for t, (task, batches) in enumerate(captured.items()):
-            layout.append([task, []])
+            layout.append((task, []))
             for b, batch in enumerate(batches):
                 index_of: dict[tuple, int] = {}   # one array per distinct tensor of the batch
                 entry = {}
@@ -78,36 +75,41 @@ class BlockSpill:
                     if identity not in index_of:
                         index_of[identity] = len(index_of)
                         arrays[f"t{t}/b{b}/a{index_of[identity]}"] = self._stored(name, tensor)
-                    entry[name] = [index_of[identity], str(tensor.dtype).removeprefix("torch.")]
+                    entry[name] = (index_of[identity], tensor.dtype)
                 layout[-1][1].append(entry)
+        if self._past(sum(a.nbytes for a in arrays.values())):   # uncompressed: the files hold at least this
+            return False
         path = self.folder / f"block-{len(self._groups):03d}.zarr"
         with phase("cache I/O"):
-            write_group(path, arrays, attrs={LAYOUT_ATTR: layout}, fmt=self._fmt)
+            write_group(path, arrays, fmt=self._fmt)
         size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
+        if self._past(size):
             shutil.rmtree(path)
             return False
-        self._groups[key] = path
+        self._groups[key] = path, layout
         self.nbytes += size
         return True
+
+    def _past(self, size: int) -> bool:
+        return self.max_bytes is not None and self.nbytes + size > self.max_bytes
 
     def holds(self, key: tuple) -> bool:
         return key in self._groups
 
     def read(self, key: tuple) -> Captured:
         """The block's captured inputs as written (in their own dtypes; shared tensors shared again)."""
-        path = self._groups[key]
+        path, layout = self._groups[key]
         with phase("cache I/O"):
             arrays = read_group(path)
         out: Captured = {}
-        for t, (task, batches) in enumerate(read_attrs(path)[LAYOUT_ATTR]):
+        for t, (task, batches) in enumerate(layout):
             out[task] = []
             for b, entry in enumerate(batches):
                 restored: dict[int, Tensor] = {}
                 batch = {}
                 for name, (i, dtype) in entry.items():
                     if i not in restored:
-                        restored[i] = arrays[f"t{t}/b{b}/a{i}"].to(getattr(torch, dtype))
+                        restored[i] = arrays[f"t{t}/b{b}/a{i}"].to(dtype)
                     batch[name] = restored[i]
                 out[task].append(batch)
         return out
