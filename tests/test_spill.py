@@ -1,12 +1,16 @@
 """The expert input cache's disk spill: blocks past the memory bound read back as they were captured."""
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from featcal.calibration.calibrate import ExpertInputCache, projected_key
-from featcal.calibration.spill import BlockSpill
+from featcal.calibration.calibrate import ExpertInputCache
+from featcal.calibration.moments import projected_key
+from featcal.calibration.spill import PREFIX, BlockSpill, _host
 
 
 def captured_block(seed: int = 0) -> dict:
@@ -69,3 +73,29 @@ def test_the_disk_bound_keeps_what_fits_and_the_folder_goes_with_the_spill(tmp_p
     del first, spill, cache
     gc.collect()
     assert not any(f.exists() for f in folders)
+
+
+def test_a_new_spill_removes_the_folders_of_killed_studies_on_this_host_and_nothing_else(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_pid = int(gone.stdout)   # that process has exited: its folder is garbage
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        folders = {
+            "killed": tmp_path / f"{PREFIX}{_host()}-{dead_pid}-abc123",
+            "running": tmp_path / f"{PREFIX}{_host()}-{live.pid}-def456",
+            "other host": tmp_path / f"{PREFIX}{_host()}x-{dead_pid}-ghi789",
+            "older, unnamed": tmp_path / f"{PREFIX}jkl012",
+            "this process": tmp_path / f"{PREFIX}{_host()}-{os.getpid()}-mno345",
+        }
+        for folder in folders.values():
+            (folder / "block-000.zarr").mkdir(parents=True)
+        spill = BlockSpill(tmp_path)
+        assert all(f.exists() for f in folders.values())   # nothing happens before a block goes to disk
+        assert spill.write((0, torch.float64, None), captured_block())
+        assert not folders["killed"].exists()
+        assert all(folders[k].exists() for k in ("running", "other host", "older, unnamed", "this process"))
+        assert spill.folder.name.startswith(f"{PREFIX}{_host()}-{os.getpid()}-")
+    finally:
+        live.kill()
+        live.wait()

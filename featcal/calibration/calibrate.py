@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from featcal.calibration import solve
 from featcal.families import Family, Stream, module_kind
 from featcal.calibration.config import FeatCalConfig, LayerHyper
-from featcal.calibration.moments import LinearMoments, Moments, NormMoments, host_count
+from featcal.calibration.moments import LinearMoments, Moments, NormMoments, host_count, projected_key
 from featcal.profiling import phase, trim_heap
 from featcal.io.checkpoints import module_prefix
 
@@ -162,10 +162,6 @@ class ExpertInputCache:
 
     def __len__(self) -> int:
         return len(self._root._blocks)
-
-
-def projected_key(name: str) -> str:
-    return f"{name}:W x"
 
 
 def projects_cross(module: nn.Module) -> bool:

@@ -13,6 +13,13 @@ from torch import Tensor
 
 
 PRODUCT_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+PROJECTED_SUFFIX = ":W x"
+
+
+def projected_key(name: str) -> str:
+    """Where a narrowing module's W x rows (its projected cross's factor) travel beside its input: in a
+    capture's dict, the expert input cache and its spill, which stores them unnarrowed."""
+    return f"{name}{PROJECTED_SUFFIX}"
 
 
 def host_count(n: float) -> Tensor:

@@ -10,11 +10,19 @@ every later trial reads every block, and activations barely compress (zstd: 7.5 
 twice the read time: docs/tuning.md); each chunk still carries its checksum. Tensors a batch shares
 (one input read by the query, key and value projections) are stored once and read back as one tensor,
 so the moments' shared products are formed once, as from memory.
+
+A spill's folder is named after its host and process (`featcal-expert-inputs-<host>-<pid>-…`), so a study
+killed outright, whose folder nothing removed, is cleared by the next spill on that host to make a folder
+in the same place, once that process is gone (`remove_stale`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import shutil
+import socket
 import tempfile
 import weakref
 from pathlib import Path
@@ -22,14 +30,47 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from featcal.calibration.moments import PROJECTED_SUFFIX
 from featcal.io.feature_store import STORAGE_DTYPES, StoreFormat, read_group, write_group
 from featcal.profiling import phase
 
+log = logging.getLogger(__name__)
+
 Captured = dict[str, list[dict[str, Tensor]]]   # task -> batches -> module name -> its input (or W x rows)
 Layout = list[tuple[str, list[dict[str, tuple[int, torch.dtype]]]]]   # per task, per batch: name -> (array, dtype)
-# `calibrate.projected_key`'s suffix: the W x rows, the products themselves, never narrowed (written here,
-# not imported: calibrate.py names this module as its cache's spill, and the package has no import circles)
-PROJECTED_SUFFIX = ":W x"
+
+PREFIX = "featcal-expert-inputs-"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", socket.gethostname()) or "host"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process: running
+        return True
+    return True
+
+
+def remove_stale(root: str | Path) -> list[Path]:
+    """Remove the spill folders under `root` whose process, on this host, no longer runs: a spill removes
+    its own folder when it is closed or collected, or when its process exits, so only a process killed
+    outright (SIGKILL, the OOM killer) leaves one. Folders of running processes, of other hosts (a shared
+    `tune.expert_cache_dir`) or of older, unnamed spills are left alone. Returns the removed folders."""
+    named = re.compile(rf"{re.escape(PREFIX + _host())}-(\d+)-")
+    removed = []
+    for path in Path(root).glob(f"{PREFIX}{_host()}-*"):
+        owner = named.match(path.name)
+        if owner and path.is_dir() and int(owner.group(1)) != os.getpid() and not _running(int(owner.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d expert-input folder(s) left by killed studies under %s", len(removed), root)
+    return removed
 
 
 class BlockSpill:
@@ -50,9 +91,10 @@ class BlockSpill:
     def folder(self) -> Path:
         """The temporary folder, made when first needed (a study whose blocks all fit in memory makes none)."""
         if self._folder is None:
-            if self._root is not None:
-                Path(self._root).mkdir(parents=True, exist_ok=True)
-            self._folder = Path(tempfile.mkdtemp(prefix="featcal-expert-inputs-", dir=self._root))
+            root = Path(tempfile.gettempdir() if self._root is None else self._root)
+            root.mkdir(parents=True, exist_ok=True)
+            remove_stale(root)
+            self._folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{_host()}-{os.getpid()}-", dir=root))
             self._remove = weakref.finalize(self, shutil.rmtree, self._folder, True)
         return self._folder
 
