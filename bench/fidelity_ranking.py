@@ -22,7 +22,6 @@ from pathlib import Path
 
 import optuna
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))
@@ -33,7 +32,7 @@ from featcal.tuning import AnchorSearch, Range  # noqa: E402
 from featcal.tuning.objective import config_with, ridge_scaled  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trial_cost import STUDY, anchor_folder, anchor_problem, committed_trials  # noqa: E402
+from trial_cost import STUDY, anchor_folder, anchor_params, anchor_problem, committed_trials  # noqa: E402
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -55,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     folder = anchor_folder("work/anchors", "fidelity_ranking")
-    params = yaml.safe_load((folder / "params.yaml").read_text())
+    params = anchor_params(folder)
     trials = sorted(committed_trials("results/dev_tuning/study.db"), key=lambda t: -t.value)   # stable: ties by number
     picked = trials[:5] + trials[5::4][:5]   # the five best and five spread over the rest
     problem = anchor_problem(params, folder)

@@ -36,7 +36,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "stages"))
-from common import enabled_tasks, get, load_params, max_length  # noqa: E402
+from common import enabled_tasks, get, max_length  # noqa: E402
 
 from featcal.calibration.calibrate import ExpertInputCache  # noqa: E402
 from featcal.calibration.spill import BlockSpill  # noqa: E402
@@ -65,8 +65,7 @@ def main() -> None:
                         help="the bound of the cached run's expert input cache")
     args = parser.parse_args()
     folder = anchor_folder(args.work, "trial_cost")
-    params = yaml.safe_load((folder / "params-rescore-featcal.yaml").read_text()) \
-        if (folder / "params-rescore-featcal.yaml").exists() else load_params()
+    params = anchor_params(folder)
     trials = committed_trials(args.study_file)[:args.trials]
     start = time.perf_counter()
     problem = anchor_problem(params, folder)
@@ -116,12 +115,23 @@ def main() -> None:
 
 
 def anchor_folder(work: str, script: str) -> Path:
-    """The anchor's merge folder `stages/tune_anchor.py task_arithmetic` keeps under `work`."""
-    folders = sorted(Path(work).glob("task_arithmetic-*/merged"))
+    """The anchor's merge folder `stages/tune_anchor.py task_arithmetic` keeps under `work`: the newest, where
+    several are (tune_anchor makes another whenever the experts' files change, e.g. after `make repro`)."""
+    folders = sorted((p.parent for p in Path(work).glob("task_arithmetic-*/merged")),
+                     key=lambda p: ((p / "merged").stat().st_mtime_ns, p.name))
     if not folders:
         raise SystemExit(f"{script}: no task_arithmetic-*/merged under {work}: run "
-                         "`python stages/tune_anchor.py task_arithmetic --rescore` first")
-    return folders[0].parent
+                         "`python stages/tune_anchor.py task_arithmetic` first")
+    return folders[-1]
+
+
+def anchor_params(folder: Path) -> dict:
+    """The params the anchor's studies ran with: its rescore's file where one was written, else the folder's own
+    (tune_anchor writes it with the anchor as `merge`; the project's params.yaml may merge another anchor)."""
+    for name in ("params-rescore-featcal.yaml", "params.yaml"):
+        if (folder / name).exists():
+            return yaml.safe_load((folder / name).read_text())
+    raise SystemExit(f"no params.yaml in {folder}: not a stages/tune_anchor.py merge folder")
 
 
 def committed_trials(study_file: str | Path) -> list:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import copy_project
 from tiny_project import project_env
 
@@ -74,3 +76,41 @@ def test_study_cost_times_three_studies_keeps_them_and_the_pick_is_set_against_t
         # the rebuilt models score as the studies' deployed ones did
         deployed = 100 * (studies["featcal"][key] - studies["featcal_all_examples"][key])
         assert abs(estimate - deployed) < 0.01, (split, estimate, deployed)
+
+
+@pytest.mark.slow(60)
+def test_trial_cost_and_fidelity_ranking_replay_the_ta_study_that_tune_anchor_ran(tiny_project, tmp_path):
+    """bench/trial_cost.py replays a Task Arithmetic study's first trials (uncached, cached, float32, on disk)
+    and bench/fidelity_ranking.py recalibrates them on fewer examples, both from the study and the merge folder
+    stages/tune_anchor.py left; the uncached replays score dev as the study recorded. A second merge folder
+    (tune_anchor makes one whenever the experts' files change) and the project's params.yaml merging another
+    anchor must not matter: the scripts take the newest folder and its own params."""
+    project = copy_project(tiny_project.full, tmp_path / "project")
+    done = subprocess.run([sys.executable, str(REPO / "stages" / "tune_anchor.py"), "task_arithmetic", "--methods",
+                           "featcal", "--anchor-search", "scale=0.1:1.0", "--n-trials", "3"],
+                          cwd=project, env=project_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    [merged] = (project / "work" / "anchors").glob("task_arithmetic-*/merged")
+    (project / "work" / "anchors" / "task_arithmetic-00000000" / "merged").mkdir(parents=True)   # an older one
+    os.utime(merged, None)   # the real merge is the newest
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["merge"] = {"method": "regmean", "options": {"off_diagonal": 0.95, "examples_per_task": 4}}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    out = tmp_path / "bench.json"
+    said = run_bench("trial_cost.py", ["--trials", "2", "--trial-product-dtype", "float32", "--on-disk",
+                                       "--out", str(out)], project)
+    cost = json.loads(out.read_text())["trial_cost"]
+    assert [t["trial"] for t in cost["trials"]] == [0, 1] and all(t["dev_as_recorded"] for t in cost["trials"]), cost
+    assert set(cost) >= {"cached", "cached_float32", "on_disk"}
+    assert cost["on_disk"]["expert_inputs_disk_mib"] > 0 and cost["on_disk"]["expert_inputs_mib"] == 0
+    assert cost["cached"]["expert_inputs_mib"] > 0 and all(t["dev_as_recorded"] for t in cost["cached"]["trials"])
+    assert "a trial after the first" in said
+
+    ranking = tmp_path / "fidelity.json"
+    said = run_bench("fidelity_ranking.py", ["--examples", "4", "--out", str(ranking)], project)
+    figures = json.loads(ranking.read_text())
+    assert figures["examples_per_task"] == 4 and len(figures["trials"]) == 3
+    for name in ("scaled", "unscaled"):
+        assert -1 <= figures[name]["spearman"] <= 1 and figures[name]["picks_trial"] in {0, 1, 2}
+    assert "Spearman" in said
