@@ -35,10 +35,29 @@ RATIO_GOAL = 2.6      # one exact calibration / the bare forwards over its data 
 DIFF_GOAL = 1e-5      # max relative weight difference of float32 products vs the all-float64 path
 
 
+def relative_differences(a: dict, b: dict) -> list[tuple[float, str]]:
+    """(max|a − b| / max|b|, name) per floating tensor, furthest first: how far `a` moved from the reference `b`."""
+    return sorted(((float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)), n)
+                   for n in b if b[n].is_floating_point()), reverse=True)
+
+
 def max_relative_difference(a: dict, b: dict) -> tuple[float, str]:
-    """max over tensors of max|a − b| / max|b|: how far `a` moved from the reference `b`."""
-    return max((float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)), n)
-               for n in b if b[n].is_floating_point())
+    """max over tensors of max|a − b| / max|b|, and that tensor's name."""
+    return relative_differences(a, b)[0]
+
+
+def demo_calibration(params: dict, examples_per_task: int | None = None):
+    """The demo's calibration problem as params.yaml sets it: the workbench, the merged anchor, the calibration
+    batches (`examples_per_task` a task, else `calibration.examples_per_task`) and the FeatCal config."""
+    tasks = enabled_tasks(params)
+    n = examples_per_task or int(get(params, "calibration.examples_per_task"))
+    bench = cmp.load_workbench(get(params, "model.base"), {t: f"experts/{t}" for t in tasks}, get(params, "tasks_dir"),
+                               {t: max_length(params, t) for t in tasks}, int(get(params, "seed")),
+                               int(get(params, "calibration.batch_size")))
+    # merge_anchor: a data method's block in params.yaml holds its data options too (RegMean's examples_per_task)
+    merged, _ = cmp.merge_anchor(bench, get(params, "merge.method"), get(params, "merge.options") or {})
+    batches = cmp.to_batches(bench, cmp.calibration_examples(bench, n))
+    return bench, merged, batches, FeatCalConfig.from_mapping(get(params, "featcal"))
 
 
 @torch.no_grad()
@@ -66,16 +85,10 @@ def main() -> None:
     params = load_params()
     tasks = enabled_tasks(params)
     n = args.examples_per_task or int(get(params, "calibration.examples_per_task"))
-    bench = cmp.load_workbench(get(params, "model.base"), {t: f"experts/{t}" for t in tasks}, get(params, "tasks_dir"),
-                               {t: max_length(params, t) for t in tasks}, int(get(params, "seed")),
-                               int(get(params, "calibration.batch_size")))
-    # merge_anchor: a data method's block in params.yaml holds its data options too (RegMean's examples_per_task)
-    merged, _ = cmp.merge_anchor(bench, get(params, "merge.method"), get(params, "merge.options") or {})
-    batches = cmp.to_batches(bench, cmp.calibration_examples(bench, n))
+    bench, merged, batches, config = demo_calibration(params, n)
     print(f"threads {torch.get_num_threads()}, {len(tasks)} tasks x {n} calibration examples, "
           f"merge {get(params, 'merge.method')}")
 
-    config = FeatCalConfig.from_mapping(get(params, "featcal"))
     # the other product dtype beside the configured one: float32's distance to the exact path is the figure
     other_dtype = "float64" if config.product_dtype == "float32" else "float32"
     other_config = dataclasses.replace(config, product_dtype=other_dtype)

@@ -34,11 +34,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stages"))
-from common import enabled_tasks, get, load_params, max_length  # noqa: E402
+from common import load_params  # noqa: E402
 
 from featcal.calibration import moments  # noqa: E402
-from featcal.calibration.config import FeatCalConfig  # noqa: E402
 from featcal.evaluation import compare as cmp  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calibration_cost import demo_calibration, relative_differences  # noqa: E402
 
 DEFAULT_VARIANTS = ["float32", "narrowing64", "others64", "chunk256", "chunk512", "allchunk256", "allchunk128"]
 OF_ROWS, ADD_PROJECTED = moments.LinearMoments.of_rows, moments.LinearMoments.add_projected
@@ -75,12 +77,6 @@ def patch(variant: str) -> None:
     moments.LinearMoments.add_projected = add_projected
 
 
-def distances(state: dict, reference: dict, top: int = 3) -> list[tuple[float, str]]:
-    """The tensors furthest from the reference, by max|a − b| / max|b|."""
-    return sorted(((float((state[n] - reference[n]).abs().max() / reference[n].abs().max().clamp_min(1e-30)), n)
-                   for n in reference if reference[n].is_floating_point()), reverse=True)[:top]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("variants", nargs="*", default=DEFAULT_VARIANTS)
@@ -90,13 +86,7 @@ def main() -> None:
         patch(variant)
     patch("float32")
     params = load_params()
-    tasks = enabled_tasks(params)
-    bench = cmp.load_workbench(get(params, "model.base"), {t: f"experts/{t}" for t in tasks}, get(params, "tasks_dir"),
-                               {t: max_length(params, t) for t in tasks}, int(get(params, "seed")),
-                               int(get(params, "calibration.batch_size")))
-    merged, _ = cmp.merge_anchor(bench, get(params, "merge.method"), get(params, "merge.options") or {})
-    batches = cmp.to_batches(bench, cmp.calibration_examples(bench, int(get(params, "calibration.examples_per_task"))))
-    config = FeatCalConfig.from_mapping(get(params, "featcal"))
+    bench, merged, batches, config = demo_calibration(params)
     exact, fast = (dataclasses.replace(config, product_dtype=d) for d in ("float64", "float32"))
     cmp.run_featcal(bench, merged, {t: b[:1] for t, b in batches.items()}, exact)   # warm-up, not counted
     start = time.perf_counter()
@@ -110,7 +100,7 @@ def main() -> None:
             start = time.perf_counter()
             state = cmp.run_featcal(bench, merged, batches, fast)[0].state_dict()
             seconds = time.perf_counter() - start
-            worst = distances(state, reference)
+            worst = relative_differences(state, reference)[:3]
             rows[variant] = {"wall_s": round(seconds, 2), "over_float64": round(seconds / exact_s, 3),
                              "max_rel_diff": worst[0][0], "furthest": {n: d for d, n in worst}}
             print(f"{variant:12s} {seconds:6.1f} s  {seconds / exact_s:.3f} of float64  max rel diff {worst[0][0]:.2e} "
