@@ -38,6 +38,7 @@ from common import get, load_params, positive_int
 
 from featcal.calibration.config import FeatCalConfig
 from featcal.io.models import write_json
+from featcal.io.split_packages import sha256_of
 from featcal.merging import split_options
 from featcal.tuning.comparison import METHODS
 
@@ -106,10 +107,12 @@ def run(cmd: list[str], cwd: Path, log: Path) -> None:
 
 
 def experts_identity(experts: Path) -> str:
-    """Every file under the experts' folder by name, size and modification time: new experts (another
-    fine-tuning, another machine's) name another merge, where the options alone would reuse a stale one."""
-    stats = {str(p.relative_to(experts)): p.stat() for p in experts.rglob("*") if p.is_file()}
-    return json.dumps([[name, st.st_size, st.st_mtime_ns] for name, st in sorted(stats.items())])
+    """Every file under the experts' folder by name and content (SHA-256): new experts (another
+    fine-tuning, another machine's) name another merge, where the options alone would reuse a stale one,
+    while the same experts written again (`make repro` on a fresh checkout: same bytes, new times) keep
+    theirs."""
+    files = sorted(p for p in experts.rglob("*") if p.is_file())
+    return json.dumps([[str(p.relative_to(experts)), sha256_of(p)] for p in files])
 
 
 def merged_anchor(local: dict, name: str, experts: Path, work: str, variant: str | None = None) -> Path:

@@ -831,3 +831,26 @@ def test_tune_anchor_makes_a_relative_sqlite_storage_absolute_since_its_studies_
     assert tune_anchor.absolute_storage(f"sqlite:///{tmp_path}/s.db") == f"sqlite:///{tmp_path}/s.db"
     for other in ("postgresql://featcal@db-host/optuna", "sqlite:///:memory:", None):
         assert tune_anchor.absolute_storage(other) == other
+
+
+def test_tune_anchor_names_a_merge_by_the_experts_content_not_their_file_times(tmp_path):
+    """The same expert bytes written again (a new `make repro`: new mtimes) keep their merge folder;
+    one changed byte or a new file names another."""
+    import os
+
+    import tune_anchor   # stages/tune_anchor.py
+
+    experts = tmp_path / "experts"
+    (experts / "a").mkdir(parents=True)
+    (experts / "a" / "model.safetensors").write_bytes(b"\x00" * 64)
+    (experts / "a" / "config.json").write_text("{}")
+    before = tune_anchor.experts_identity(experts)
+    weights = experts / "a" / "model.safetensors"
+    os.utime(weights, ns=(1, 1))
+    weights.write_bytes(b"\x00" * 64)   # rewritten: same bytes, a new mtime
+    assert tune_anchor.experts_identity(experts) == before
+    weights.write_bytes(b"\x00" * 63 + b"\x01")
+    changed = tune_anchor.experts_identity(experts)
+    assert changed != before
+    (experts / "a" / "extra.txt").write_text("")
+    assert tune_anchor.experts_identity(experts) not in (before, changed)
