@@ -79,12 +79,14 @@ def stand_in_pipeline(clone: Path, work: Path) -> list[str]:
 
 
 def clone_demo(clone: Path) -> None:
-    """A git clone of the last commit sharing this project's DVC cache, its outputs checked out
-    (hard links for speed, then the demo's own link type for what the experiment saves)."""
+    """A git clone of the last commit sharing this project's DVC cache, the demo's outputs checked out
+    (hard links for speed, then the demo's own link type for what the experiment saves). Only the root
+    dvc.yaml's, which `dvc repro` and `dvc exp run` take by default: llm/ and mpnet/ have pipelines of
+    their own, whose outputs need not be in this machine's cache."""
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     cache = dvc("cache", "dir").stdout.strip()
     for args in (["config", "--local", "cache.dir", cache], ["config", "--local", "cache.type", "hardlink"],
-                 ["checkout", "--quiet"], ["config", "--local", "--unset", "cache.type"]):
+                 ["checkout", "--quiet", "dvc.yaml"], ["config", "--local", "--unset", "cache.type"]):
         dvc(*args, cwd=clone)
 
 
