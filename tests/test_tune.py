@@ -586,9 +586,15 @@ def test_one_command_runs_an_anchor_through_the_protocol_and_resumes_it(project,
     assert "merging" not in again and len(trials_of(storage, "task_arithmetic-anchor-featcal")) == 3
     assert [t.params for t in trials_of(storage, "task_arithmetic-anchor-featcal")[:2]] == \
         [t.params for t in featcal_trials]
-    # other experts' files (here a copy) are merged again, never served the first experts' merge
-    shutil.copytree(project / "experts", tmp_path / "experts-copy", copy_function=shutil.copy)
-    other = run([*cmd, "--n-trials", "3", "--methods", "featcal", "--experts", str(tmp_path / "experts-copy")], project)
+    # the same experts elsewhere (a byte-identical copy, new mtimes) are served the same merge; other
+    # experts' files (the copy, one file changed) are merged again, never served the first experts' merge
+    copy = tmp_path / "experts-copy"
+    shutil.copytree(project / "experts", copy, copy_function=shutil.copy)
+    same = run([*cmd, "--n-trials", "3", "--methods", "featcal", "--experts", str(copy)], project)
+    assert "merging" not in same and len(list((tmp_path / "work").glob("task_arithmetic-*/merged"))) == 1, same
+    config = copy / "topic" / "config.json"
+    config.write_text(config.read_text() + "\n")
+    other = run([*cmd, "--n-trials", "3", "--methods", "featcal", "--experts", str(copy)], project)
     assert "merging" in other and len(list((tmp_path / "work").glob("task_arithmetic-*/merged"))) == 2, other
 
     # a study beside the protocol's (per-layer α): its own name, summary and params file
