@@ -852,8 +852,8 @@ def test_tune_anchor_names_a_merge_by_the_experts_content_not_their_file_times(t
     (experts / "a" / "config.json").write_text("{}")
     before = tune_anchor.experts_identity(experts)
     weights = experts / "a" / "model.safetensors"
+    weights.write_bytes(b"\x00" * 64)   # rewritten: same bytes, another mtime (set: the clock is coarse)
     os.utime(weights, ns=(1, 1))
-    weights.write_bytes(b"\x00" * 64)   # rewritten: same bytes, a new mtime
     assert tune_anchor.experts_identity(experts) == before
     weights.write_bytes(b"\x00" * 63 + b"\x01")
     changed = tune_anchor.experts_identity(experts)
