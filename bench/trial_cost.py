@@ -116,7 +116,7 @@ def main() -> None:
 
 def anchor_folder(work: str, script: str) -> Path:
     """The anchor's merge folder `stages/tune_anchor.py task_arithmetic` keeps under `work`: the newest, where
-    several are (tune_anchor makes another whenever the experts' files change, e.g. after `make repro`)."""
+    several are (tune_anchor makes another whenever the merge options or the experts' bytes change)."""
     folders = sorted((p.parent for p in Path(work).glob("task_arithmetic-*/merged")),
                      key=lambda p: ((p / "merged").stat().st_mtime_ns, p.name))
     if not folders:

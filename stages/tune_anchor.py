@@ -115,10 +115,11 @@ def experts_identity(experts: Path) -> str:
     return json.dumps([[str(p.relative_to(experts)), sha256_of(p)] for p in files])
 
 
-def merged_anchor(local: dict, name: str, experts: Path, work: str, variant: str | None = None) -> Path:
-    """The folder of the anchor's merge under `work` (one per merge options and experts), merged once by
-    `stages/merge.py` from the folder's params.yaml (the merge stage writes whole or not at all)."""
-    options = json.dumps(local["merge"], sort_keys=True) + experts_identity(experts)
+def merged_anchor(local: dict, name: str, experts: Path, identity: str, work: str, variant: str | None = None) -> Path:
+    """The folder of the anchor's merge under `work` (one per merge options and experts: `identity` is
+    `experts_identity(experts)`, hashed once a run), merged once by `stages/merge.py` from the folder's
+    params.yaml (the merge stage writes whole or not at all)."""
+    options = json.dumps(local["merge"], sort_keys=True) + identity
     folder = (Path(work) / f"{name}-{hashlib.sha1(options.encode()).hexdigest()[:8]}").resolve()
     folder.mkdir(parents=True, exist_ok=True)
     merged = folder / "merged"
@@ -179,6 +180,8 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
     if storage is None:   # a copy: opening a study may write to its file
         shutil.copyfile(out / "study.db", work / "rescore-study.db")
         storage = f"sqlite:///{work / 'rescore-study.db'}"
+    experts = Path(args.experts).resolve()
+    identity = experts_identity(experts)   # one read of the experts for every method's folder
     for method in methods:
         key = f"sigmerge_{method}" if args.sigmerge else method
         summary_file = out / f"{args.anchor}_{key}.json"
@@ -195,7 +198,7 @@ def rescore(args: argparse.Namespace, params: dict) -> None:
             local["tune"]["trial_product_dtype"] = summary["trial_product_dtype"]
         # a reranked study's choice is rebuilt (its exact scores are in the study: nothing is reranked again)
         local["tune"]["rerank_top_k"] = summary.get("rerank", {}).get("top_k", 0)
-        folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work)
+        folder = merged_anchor(local, name, experts, identity, args.work)
         params_file = folder / f"params-rescore-{method}.yaml"
         params_file.write_text(yaml.safe_dump(local, sort_keys=False))
         rescored_file = folder / f"rescored-{key}.json"
@@ -289,7 +292,8 @@ def main() -> None:
     if args.rerank_top_k is not None:
         local["tune"]["rerank_top_k"] = args.rerank_top_k
     name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
-    folder = merged_anchor(local, name, Path(args.experts).resolve(), args.work, args.variant)
+    experts = Path(args.experts).resolve()
+    folder = merged_anchor(local, name, experts, experts_identity(experts), args.work, args.variant)
     params_file = folder / (f"params-{args.variant}.yaml" if args.variant else "params.yaml")
     params_file.write_text(yaml.safe_dump(local, sort_keys=False))
     out = Path(args.out).resolve()
