@@ -79,3 +79,12 @@ def test_real_minilm_base_loads_offline_and_calibrates():
     result = calibrate(merged, base, experts, batches, progress=False)
     assert len(result.drift) == 6
     assert all(torch.isfinite(p).all() for p in result.backbone.parameters())
+
+
+def test_real_rows_are_the_masked_rows_in_order_and_a_view_when_every_token_is_real():
+    from featcal.calibration.calibrate import real_rows
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0))
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 1, 0, 0]], dtype=torch.bool)
+    assert torch.equal(real_rows(x, mask), x[mask])
+    every = torch.ones(3, 5, dtype=torch.bool)
+    assert real_rows(x, every).data_ptr() == x.data_ptr() and torch.equal(real_rows(x, every), x.reshape(-1, 4))

@@ -238,8 +238,10 @@ def row_space(family: Family, modules: Mapping[str, nn.Module], projected: Seque
 
 
 def real_rows(x: Tensor, rows: Tensor) -> Tensor:
-    """The rows of real tokens ([n, d]); a view, not a copy, when every token is real."""
-    return x.reshape(-1, x.shape[-1]) if bool(rows.all()) else x[rows]
+    """The rows of real tokens ([n, d]); a view, not a copy, when every token is real. (An index_select:
+    the same rows as x[rows], ~5x faster on CPU than the boolean mask's gather.)"""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if bool(rows.all()) else flat.index_select(0, rows.reshape(-1).nonzero().squeeze(1))
 
 
 def accumulate_pooled_moments(

@@ -38,57 +38,69 @@ def _row_weights(weights: Tensor | None, n: int, device: torch.device | None = N
     return weights.reshape(-1).to(device=device, dtype=torch.float64)
 
 
-def _weighed_rows(student: Tensor, expert: Tensor, weights: Tensor | None, dtype: torch.dtype):
+def _weigher(weights: Tensor | None, n: int, dtype: torch.dtype, device: torch.device):
+    """The count of n rows (Σw: a host scalar) and the row weighing in `dtype`."""
+    if weights is None:
+        return host_count(n), (lambda x: x)
+    w = _row_weights(weights, n, device)
+    count, w = w.sum().cpu(), w.to(dtype)[:, None]   # counts stay on the host
+    return count, (lambda x: x * w)
+
+
+def _weighed_rows(student: Tensor, expert: Tensor, weights: Tensor | None, dtype: torch.dtype = torch.float64):
     """A batch's student and expert rows in `dtype`, their count (Σw: a host scalar) and the row weighing."""
     xs, xe = _rows(student, dtype), _rows(expert, dtype)
     if xs.shape != xe.shape:
         raise ValueError(f"student rows {tuple(xs.shape)} and expert rows {tuple(xe.shape)} differ")
-    if weights is None:
-        return xs, xe, host_count(xs.shape[0]), (lambda x: x)
-    w = _row_weights(weights, xs.shape[0], xs.device)
-    count, w = w.sum().cpu(), w.to(dtype)[:, None]   # counts stay on the host
-    return xs, xe, count, (lambda x: x * w)
+    return (xs, xe, *_weigher(weights, xs.shape[0], dtype, xs.device))
 
 
 @dataclass
 class _Centred:
-    """A batch's rows less their (weighted) batch mean, for products in a reduced precision.
+    """A batch's rows less their (weighted) batch mean, for a Gram in a reduced precision.
 
     A float32 product of rows x sums terms of the size of |x|, and its rounding is relative to that;
-    of rows x − m it is relative to |x − m|, while the mean's share (Σw m aᵀ and the like) is added
-    exactly in float64 (`_product_sum`). On the demo at the dev-tuned λ this takes float32 products
+    of rows x − m it is relative to |x − m|, while the mean's share (Σw(x − m) mᵀ and the like) is added
+    exactly in float64 (`reduced_gram`). On the demo at the dev-tuned λ this takes float32 products
     from 7.8e-5 to 1.6e-5 of the float64 weights, at the cost of a subtraction per row.
     """
 
     rows: Tensor       # x − m, in the product dtype (m: the batch mean rounded to that dtype)
     weighed: Tensor    # w (x − m)
     mean: Tensor       # m, float64
-    deviation: Tensor  # Σ w (x − m), float64: what the products' mean terms need of the rows actually used
-    total: Tensor      # Σ w x, float64 (the moments' sum)
+    deviation: Tensor  # Σ w (x − m), float64: what the mean's terms need of the rows actually multiplied
     count: float       # Σ w
 
     @classmethod
     def of(cls, x: Tensor, weigh, count: Tensor) -> "_Centred":
-        total = weigh(x).sum(0, dtype=torch.float64)
+        # .double().sum: the same float64 sum, ~4x faster than .sum(dtype=float64) of float32 rows on CPU
+        total = weigh(x).double().sum(0)
         n = count.to(device=x.device)
         mean = torch.where(n > 0, total / n.clamp_min(1e-300), torch.zeros_like(total)).to(x.dtype)
         rows = x - mean
         weighed = weigh(rows)
-        return cls(rows, weighed, mean.to(torch.float64), weighed.sum(0, dtype=torch.float64), total, float(count))
+        return cls(rows, weighed, mean.to(torch.float64), weighed.double().sum(0), float(count))
 
 
-def _product_sum(a: _Centred, b: _Centred, into: Tensor | None = None, gram: bool = False) -> Tensor:
-    """Σ w a bᵀ in float64 from centred rows: (w(a − m_a))ᵀ(b − m_b) in their dtype, plus
-    Σw(a − m_a) m_bᵀ + m_a Σw(b − m_b)ᵀ + Σw m_a m_bᵀ in float64. `into`: a running float64 sum the
-    product is added to in place (no out × in buffer beside it); `gram`: a = b unweighted (symmetric)."""
+def reduced_gram(student: Tensor, weights: Tensor | None, dtype: torch.dtype, into: Tensor | None = None) -> Tensor:
+    """Σw x xᵀ of a batch's student rows in float64, multiplied in `dtype`: (w(x − m))ᵀ(x − m) of batch-centred
+    rows (`_Centred`) plus Σw(x − m) mᵀ + m Σw(x − m)ᵀ + Σw m mᵀ in float64. `into`: a running float64 sum the
+    product is added to in place (no d × d buffer beside it); returned.
+
+    The one product a reduced precision forms: the crosses are float64 in every precision. Their rounding is
+    not damped where the solve divides by G + λI's small eigenvalues (C ≈ W_e G there, its float32 error is
+    not), and it was most of float32's distance to the float64 weights on the demo (1.38e-5 → 7.3e-6, issue 36).
+    """
+    x = _rows(student, dtype)
+    count, weigh = _weigher(weights, x.shape[0], dtype, x.device)
+    c = _Centred.of(x, weigh, count)
     if into is None:
-        out = (gram_of(a.rows) if gram else a.weighed.T @ b.rows).to(torch.float64)
-    elif gram:
-        out = gram_of(a.rows, into=into)
+        out = (gram_of(c.rows) if weights is None else c.weighed.T @ c.rows).to(torch.float64)
+    elif weights is None:
+        out = gram_of(c.rows, into=into)
     else:
-        out = add_product(into, a.weighed, b.rows)
-    out.addr_(a.deviation, b.mean).addr_(a.mean, b.deviation).addr_(a.mean, b.mean, alpha=a.count)
-    return out
+        out = add_product(into, c.weighed, c.rows)
+    return out.addr_(c.deviation, c.mean).addr_(c.mean, c.deviation).addr_(c.mean, c.mean, alpha=c.count)
 
 
 def gram_of(x: Tensor, block: int = 512, into: Tensor | None = None) -> Tensor:
@@ -174,30 +186,20 @@ class LinearMoments:
         expert_projected: Tensor | None = None,
         product_dtype: torch.dtype = torch.float64,
     ) -> "LinearMoments":
-        """One batch's sums, formed in `product_dtype` (merge them into float64 running sums):
-        float32 products of one batch lose ~1e-7 relative; the running sums lose nothing more."""
-        xs, xe, count, weigh = _weighed_rows(student, expert, weights, product_dtype)
-        if product_dtype != torch.float64:
-            return LinearMoments._of_centred_rows(xs, xe, count, weigh, weights is None, expert_projected)
+        """One batch's sums in float64 (merge them into running sums). `product_dtype` float32: the student
+        Gram is multiplied in float32 (`reduced_gram`: ~1e-7 relative a batch; the running sums lose nothing
+        more), every other product in float64."""
+        xs, xe, count, weigh = _weighed_rows(student, expert, weights)
         xs_w, xe_w = weigh(xs), weigh(xe)
         if expert_projected is None:
             cross, projected = xe_w.T @ xs, None
         else:
-            cross, projected = None, weigh(_rows(expert_projected, product_dtype)).T @ xs
-        gram = gram_of(xs) if weights is None else xs_w.T @ xs
-        return LinearMoments(count, gram, cross, xs_w.sum(0), xe_w.sum(0), projected)
-
-    @staticmethod
-    def _of_centred_rows(xs: Tensor, xe: Tensor, count: Tensor, weigh, unweighted: bool,
-                         expert_projected: Tensor | None) -> "LinearMoments":
-        """`of_rows` in a reduced precision: products of batch-centred rows (`_Centred`)."""
-        cs = _Centred.of(xs, weigh, count)
-        if expert_projected is None:
-            cross, projected = _product_sum(_Centred.of(xe, weigh, count), cs), None
+            cross, projected = None, weigh(_rows(expert_projected)).T @ xs
+        if product_dtype != torch.float64:
+            gram = reduced_gram(student, weights, product_dtype)
         else:
-            cross, projected = None, _product_sum(_Centred.of(_rows(expert_projected, xs.dtype), weigh, count), cs)
-        gram = _product_sum(cs, cs, gram=unweighted)
-        return LinearMoments(count, gram, cross, cs.total, weigh(xe).sum(0, dtype=torch.float64), projected)
+            gram = gram_of(xs) if weights is None else xs_w.T @ xs
+        return LinearMoments(count, gram, cross, xs_w.sum(0), xe_w.sum(0), projected)
 
     def add_projected(
         self,
@@ -211,9 +213,10 @@ class LinearMoments:
         """`add` for a narrowing module (its cross kept projected, rows W_e x_e in `expert_projected`),
         every sum grown in place: no batch-sized copy of the in × in Gram or the out × in sums beside
         the running ones (0.1 GB each for a 1.5B decoder's down projection), nor a float64 copy of
-        W_e. `expert_weight` (W_e, out × in): Σw (W_e x_s) x_sᵀ (`projected_gram`) is kept too."""
-        xs, xe, count, weigh = _weighed_rows(student, expert, weights, product_dtype)
-        pe = _rows(expert_projected, product_dtype)
+        W_e. `expert_weight` (W_e, out × in): Σw (W_e x_s) x_sᵀ (`projected_gram`) is kept too.
+        `product_dtype`: the student Gram's, as in `of_rows`."""
+        xs, xe, count, weigh = _weighed_rows(student, expert, weights)
+        pe = _rows(expert_projected)
         d, out = xs.shape[1], pe.shape[1]
         shapes = {"student_gram": (d, d), "projected_cross": (out, d), "student_sum": (d,), "expert_sum": (d,)}
         if expert_weight is not None:
@@ -223,34 +226,18 @@ class LinearMoments:
                 setattr(self, name, torch.zeros(shape, dtype=torch.float64, device=xs.device))
         self.count = self.count + count
         if product_dtype != torch.float64:
-            self._add_centred_projected(xs, xe, pe, count, weigh, weights is None, expert_weight)
-            return
-        if weights is None:
+            reduced_gram(student, weights, product_dtype, into=self.student_gram)
+        elif weights is None:
             gram_of(xs, into=self.student_gram)
         else:
             self.student_gram.add_(weigh(xs).T @ xs)
         add_product(self.projected_cross, weigh(pe), xs)
         if expert_weight is not None:
             for i in range(0, out, PRODUCT_CHUNK):   # W_e x_s a slice of W_e's rows at a time
-                slice_ = expert_weight[i:i + PRODUCT_CHUNK].detach().to(device=xs.device, dtype=product_dtype)
+                slice_ = expert_weight[i:i + PRODUCT_CHUNK].detach().to(device=xs.device, dtype=torch.float64)
                 self.projected_gram[i:i + PRODUCT_CHUNK].add_(weigh(xs @ slice_.T).T @ xs)
         self.student_sum.add_(weigh(xs).sum(0))
         self.expert_sum.add_(weigh(xe).sum(0))
-
-    def _add_centred_projected(self, xs: Tensor, xe: Tensor, pe: Tensor, count: Tensor, weigh, unweighted: bool,
-                               expert_weight: Tensor | None) -> None:
-        """`add_projected`'s sums in a reduced precision, of batch-centred rows (`_Centred`), in place."""
-        cs = _Centred.of(xs, weigh, count)
-        _product_sum(cs, cs, into=self.student_gram, gram=unweighted)
-        _product_sum(_Centred.of(pe, weigh, count), cs, into=self.projected_cross)
-        if expert_weight is not None:   # rows W_e x_s = W_e (x_s − m) + W_e m: the first in the product dtype
-            for i in range(0, expert_weight.shape[0], PRODUCT_CHUNK):
-                slice_ = expert_weight[i:i + PRODUCT_CHUNK].detach().to(device=xs.device)
-                projected = _Centred.of(cs.rows @ slice_.to(xs.dtype).T, weigh, count)
-                projected.mean.add_(slice_.to(torch.float64) @ cs.mean)   # (its total is not read)
-                _product_sum(projected, cs, into=self.projected_gram[i:i + PRODUCT_CHUNK])
-        self.student_sum.add_(cs.total)
-        self.expert_sum.add_(weigh(xe).sum(0, dtype=torch.float64))
 
     def merge(self, other: "LinearMoments") -> "LinearMoments":
         _merge_into(self, other)
