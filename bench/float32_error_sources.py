@@ -2,12 +2,14 @@
 what closing it would cost.
 
 Issue 36 asks for one calibration at ≤ 2.6× the bare forwards with weights within 1e-5 of the float64
-path. float32 products (`featcal.product_dtype: float32`) come close on both: ~2.6× and ~1.4e-5 (make bench).
+path. float32 products (`featcal.product_dtype: float32`) came close on both: ~2.6× and ~1.4e-5 (make bench);
+since 581d376 only their student Gram is float32 (the crosses exact): ~2.97× and 7.3e-6. results/float32_error_sources.json
+is the run before that change (the crosses float32 too).
 This calibrates the demo (params.yaml's merge, values and calibration examples) in float64 and then in
 float32 variants, each patched into `featcal.calibration.moments.LinearMoments` for this process only
 (none is a product option; they are measured to know whether one should be):
 
-- `float32`: the option as it is (each batch's rows centred, products in float32, sums in float64);
+- `float32`: the option as it is (each batch's student Gram of centred rows in float32, the rest float64);
 - `narrowing64`: the narrowing modules' products (`add_projected`: an FFN's down projection) in float64;
 - `others64`: every other module's products in float64;
 - `chunkR`: others64, and the narrowing modules' rows centred and multiplied R rows at a time;

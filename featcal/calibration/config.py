@@ -70,9 +70,9 @@ class FeatCalConfig:
     calibrate_norms: bool = True
     calibrate_pooler: bool = False
     layer_overrides: dict[int, dict[str, float]] = field(default_factory=dict)
-    # how, not what: each batch's moment products in float64 (the exact path, every default) or, as an
-    # explicit opt-in, in float32 (sums stay float64; ~1.4x faster, the calibrated weights move by ~1e-5
-    # relative: docs/results.md, "what calibration costs")
+    # how, not what: each batch's student Gram in float64 (the exact path, every default) or, as an explicit
+    # opt-in, in float32 (of batch-centred rows; every other product and every sum stays float64; ~1.15x
+    # faster, the demo's calibrated weights move by 7.3e-6 relative: docs/results.md, "what calibration costs")
     product_dtype: str = "float64"
     # where the block forwards, moment products and solves run: "auto" (CUDA when present), "cpu",
     # "cuda" or "cuda:N"; sums and solves stay float64 there (docs/results.md)
