@@ -115,7 +115,7 @@ def experts_identity(experts: Path) -> str:
     return json.dumps([[str(p.relative_to(experts)), sha256_of(p)] for p in files])
 
 
-def merged_anchor(local: dict, name: str, experts: Path, identity: str, work: str, variant: str | None = None) -> Path:
+def merged_anchor(local: dict, name: str, experts: Path, identity: str, work: str) -> Path:
     """The folder of the anchor's merge under `work` (one per merge options and experts: `identity` is
     `experts_identity(experts)`, hashed once a run), merged once by `stages/merge.py` from the folder's
     params.yaml (the merge stage writes whole or not at all)."""
@@ -293,7 +293,7 @@ def main() -> None:
         local["tune"]["rerank_top_k"] = args.rerank_top_k
     name = f"{args.anchor}-sigmerge" if args.sigmerge else args.anchor
     experts = Path(args.experts).resolve()
-    folder = merged_anchor(local, name, experts, experts_identity(experts), args.work, args.variant)
+    folder = merged_anchor(local, name, experts, experts_identity(experts), args.work)
     params_file = folder / (f"params-{args.variant}.yaml" if args.variant else "params.yaml")
     params_file.write_text(yaml.safe_dump(local, sort_keys=False))
     out = Path(args.out).resolve()
