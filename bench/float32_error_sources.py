@@ -3,8 +3,8 @@ what closing it would cost.
 
 Issue 36 asks for one calibration at ≤ 2.6× the bare forwards with weights within 1e-5 of the float64
 path. float32 products (`featcal.product_dtype: float32`) came close on both: ~2.6× and ~1.4e-5 (make bench);
-since 581d376 only their student Gram is float32 (the crosses exact): ~2.97× and 7.3e-6. results/float32_error_sources.json
-is the run before that change (the crosses float32 too).
+since 581d376 only their student Gram is float32 (the crosses exact): ~2.97× and 7.3e-6 (the variants below now differ in
+the Gram alone; the run before that change: `git show da1781f:results/float32_error_sources.json`).
 This calibrates the demo (params.yaml's merge, values and calibration examples) in float64 and then in
 float32 variants, each patched into `featcal.calibration.moments.LinearMoments` for this process only
 (none is a product option; they are measured to know whether one should be):
