@@ -47,12 +47,13 @@ def _weigher(weights: Tensor | None, n: int, dtype: torch.dtype, device: torch.d
     return count, (lambda x: x * w)
 
 
-def _weighed_rows(student: Tensor, expert: Tensor, weights: Tensor | None, dtype: torch.dtype = torch.float64):
-    """A batch's student and expert rows in `dtype`, their count (Σw: a host scalar) and the row weighing."""
-    xs, xe = _rows(student, dtype), _rows(expert, dtype)
+def _weighed_rows(student: Tensor, expert: Tensor, weights: Tensor | None):
+    """A batch's student and expert rows in float64 (every product but a reduced Gram's), their count (Σw: a
+    host scalar) and the row weighing."""
+    xs, xe = _rows(student), _rows(expert)
     if xs.shape != xe.shape:
         raise ValueError(f"student rows {tuple(xs.shape)} and expert rows {tuple(xe.shape)} differ")
-    return (xs, xe, *_weigher(weights, xs.shape[0], dtype, xs.device))
+    return (xs, xe, *_weigher(weights, xs.shape[0], torch.float64, xs.device))
 
 
 @dataclass
