@@ -23,9 +23,7 @@ from pathlib import Path
 
 import optuna
 
-from featcal.tuning.study import complete_trials
-
-RERANK = "rerank"
+from featcal.tuning.study import RERANK, complete_trials
 
 
 def kept_study(path: Path) -> optuna.Study:

@@ -95,12 +95,9 @@ def reduced_gram(student: Tensor, weights: Tensor | None, dtype: torch.dtype, in
     x = _rows(student, dtype)
     count, weigh = _weigher(weights, x.shape[0], dtype, x.device)
     c = _Centred.of(x, weigh, count)
+    out = gram_sum(c.rows, None if weights is None else c.weighed, into)
     if into is None:
-        out = (gram_of(c.rows) if weights is None else c.weighed.T @ c.rows).to(torch.float64)
-    elif weights is None:
-        out = gram_of(c.rows, into=into)
-    else:
-        out = add_product(into, c.weighed, c.rows)
+        out = out.to(torch.float64)
     return out.addr_(c.deviation, c.mean).addr_(c.mean, c.deviation).addr_(c.mean, c.mean, alpha=c.count)
 
 
@@ -122,6 +119,14 @@ def gram_of(x: Tensor, block: int = 512, into: Tensor | None = None) -> Tensor:
             if c != a:
                 put(out[c:e, a:b], part.T)
     return out
+
+
+def gram_sum(rows: Tensor, weighed: Tensor | None, into: Tensor | None = None) -> Tensor:
+    """Σw x xᵀ of rows x ([n, d]), given w x (`weighed`; None: unweighted, symmetric, `gram_of`).
+    `into`: a running sum the product is added to in place (no d × d buffer beside it); returned."""
+    if weighed is None:
+        return gram_of(rows, into=into)
+    return weighed.T @ rows if into is None else add_product(into, weighed, rows)
 
 
 PRODUCT_CHUNK = 512   # rows of an out × in sum formed at a time (a 512 × 8,960 float64 slice: 37 MB)
@@ -199,7 +204,7 @@ class LinearMoments:
         if product_dtype != torch.float64:
             gram = reduced_gram(student, weights, product_dtype)
         else:
-            gram = gram_of(xs) if weights is None else xs_w.T @ xs
+            gram = gram_sum(xs, None if weights is None else xs_w)
         return LinearMoments(count, gram, cross, xs_w.sum(0), xe_w.sum(0), projected)
 
     def add_projected(
@@ -228,10 +233,8 @@ class LinearMoments:
         self.count = self.count + count
         if product_dtype != torch.float64:
             reduced_gram(student, weights, product_dtype, into=self.student_gram)
-        elif weights is None:
-            gram_of(xs, into=self.student_gram)
         else:
-            self.student_gram.add_(weigh(xs).T @ xs)
+            gram_sum(xs, None if weights is None else weigh(xs), into=self.student_gram)
         add_product(self.projected_cross, weigh(pe), xs)
         if expert_weight is not None:
             for i in range(0, out, PRODUCT_CHUNK):   # W_e x_s a slice of W_e's rows at a time
