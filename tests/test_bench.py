@@ -45,6 +45,23 @@ def test_calibration_cost_runs_on_a_project_and_writes_the_median_of_its_repeats
     assert "featcal_over_forwards" in said and "median of 3" in said
 
 
+def test_moments_breakdown_replays_one_blocks_accumulation_and_splits_products_from_the_rest(tiny_project, tmp_path):
+    project = copy_project(tiny_project.full, tmp_path / "project")
+    out = tmp_path / "bench.json"
+    said = run_bench("moments_breakdown.py", ["--block", "1", "--repeats", "2", "--out", str(out)], project)
+    figures = json.loads(out.read_text())["moments_breakdown"]
+    assert figures["block"] == 1 and figures["product_dtype"] == "float32" and len(figures["replay_s"]) == 2
+    assert figures["batches"] > 0 and figures["rows"] > 0
+    assert 0 < figures["mm_s"] <= figures["profiled_s"] and figures["other_s"] > 0
+    assert figures["operators_s"]["aten::mm"] == figures["mm_s"]
+    assert "aten::mm" in said
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "moments_breakdown.py"), "--block", "7", "--out",
+                           str(tmp_path / "none.json")], cwd=project, env=project_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode != 0 and "the walk has no block 7" in done.stderr
+    assert not (tmp_path / "none.json").exists()
+
+
 @pytest.mark.slow(60)
 def test_study_cost_times_three_studies_keeps_them_and_the_pick_is_set_against_the_reference(tiny_project, tmp_path):
     """bench/study_cost.py: a reduced-fidelity FeatCal study, the every-example reference and Surgery's,
