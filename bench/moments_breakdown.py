@@ -6,7 +6,7 @@ calibration of the demo takes more than its products' arithmetic would at this m
 what the rest is. It calibrates the demo (params.yaml's merge, values and calibration examples, the products
 in `--product-dtype`) until block `--block` has all its batches' module inputs, keeps that block's calls to
 `accumulate_block_moments` (the student's and the experts' captured inputs, every task and batch), stops the
-walk there, and replays those calls: `--repeats` timed replays, then one under torch's profiler, whose
+walk at the next block's first batch, and replays those calls: `--repeats` timed replays, then one under torch's profiler, whose
 operators are summed by name (`aten::mm` are the products; copy_ the float64 row copies, sum the row sums,
 add_ the float32 products added into the float64 sums, ...). Run alone (machine otherwise idle):
 
